@@ -1,0 +1,1 @@
+"""Speed benchmarks: training tokens/s and model FLOPs utilisation (`lm bench`)."""

@@ -1,0 +1,119 @@
+"""`lm eval ppl`: loss and perplexity of a checkpoint on prepared shards, overall and by position.
+
+NLL_k is the mean over windows of -log p(token k | the k tokens before it in the window), k = 1..seq_len
+(the MesaNet paper's App. L.1 curve). Windows are the split's consecutive seq_len + 1 token windows.
+"""
+
+import csv
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+
+from lm.checkpoint import load_model, run_dir_of
+from lm.data import TokenStream, ValidationWindows
+from lm.errors import UserError
+
+
+def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tuple[np.ndarray, int]:
+    """(mean NLL at each of the seq_len positions in float64, number of windows)."""
+    total, count = None, 0
+    with torch.no_grad():
+        for start in range(0, len(windows), batch_size):
+            batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))])
+            logits, _ = model(batch[:, :-1])
+            nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
+            total = nll.sum(0).double() if total is None else total + nll.sum(0).double()
+            count += batch.shape[0]
+    if not count:
+        raise UserError("no evaluation window: the split has fewer than seq_len + 1 tokens")
+    return (total / count).numpy(), count
+
+
+def log_spaced_positions(seq_len: int, n: int = 48) -> list[int]:
+    """1-based positions spread evenly on a log scale from 1 to seq_len."""
+    return sorted({int(round(p)) for p in np.geomspace(1, seq_len, n)})
+
+
+def unigram_ppl(data: str) -> float:
+    """Perplexity of the validation split under the training split's add-one-smoothed unigram distribution:
+    the bar a language model has to clear."""
+    train, val = TokenStream(data, "train", verify=False), TokenStream(data, "validation", verify=False)
+    vocab = train.manifest["tokenizer"]["vocab_size"]
+    counts = np.ones(vocab, dtype=np.float64)
+    for shard in train.shards:
+        counts += np.bincount(shard, minlength=vocab)[:vocab]
+    log_p = np.log(counts / counts.sum())
+    val_tokens = np.concatenate([np.asarray(s) for s in val.shards]).astype(np.int64)
+    return float(np.exp(-log_p[val_tokens].mean()))
+
+
+def check_tokenizer(run_dir: Path, data: str, manifest: dict, vocab_size: int) -> None:
+    tokenizer = run_dir / "tokenizer.json"
+    if tokenizer.exists() and hashlib.sha256(tokenizer.read_bytes()).hexdigest() != manifest["tokenizer"]["sha256"]:
+        raise UserError(f"tokenizer mismatch: {data} was tokenized with another tokenizer than {tokenizer}")
+    if manifest["tokenizer"]["vocab_size"] > vocab_size:
+        raise UserError(f"vocab mismatch: {data} has {manifest['tokenizer']['vocab_size']} tokens, the model "
+                        f"{vocab_size}")
+
+
+def plot_curve(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["position"] for r in rows], [r["nll"] for r in rows], marker=".", label="NLL at position")
+    ax.plot([r["position"] for r in rows], [r["running_mean"] for r in rows], label="mean NLL up to position")
+    ax.set(xscale="log", xlabel="position in sequence", ylabel="NLL (nats)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
+                 max_windows: int | None = None, batch_size: int = 8, out: str | None = None) -> dict:
+    """Perplexity of a checkpoint, overall and by position; writes ppl.json, per_position.csv and .png.
+
+    Args:
+        checkpoint: A checkpoint file, or a run directory (its newest checkpoint).
+        data: Prepared data directory (default: the run's data.path).
+        split: Split to evaluate.
+        seq_len: Window length (default: the run's data.seq_len).
+        max_windows: Evaluate at most this many windows (default: all).
+        batch_size: Windows per forward pass.
+        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN).
+    """
+    model, hparams = load_model(checkpoint)
+    run_dir = run_dir_of(checkpoint)
+    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    data = data or run_config.get("data", {}).get("path")
+    seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
+    if data is None:
+        raise UserError("no data directory: pass --data")
+    stream = TokenStream(data, split, verify=False)
+    check_tokenizer(run_dir, data, stream.manifest, hparams["model"]["vocab_size"])
+    nll, n_windows = per_position_nll(model, ValidationWindows(stream, seq_len, max_windows), batch_size)
+    running = np.cumsum(nll) / np.arange(1, len(nll) + 1)
+    rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1])}
+            for k in log_spaced_positions(seq_len)]
+    loss = float(nll.mean())
+    result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": seq_len, "windows": n_windows,
+              "tokens": n_windows * seq_len, "loss": loss, "ppl": math.exp(loss)}
+    out_dir = Path(out) if out else run_dir / "eval" / f"ppl-{split}-T{seq_len}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ppl.json").write_text(json.dumps(result, indent=2))
+    with open(out_dir / "per_position.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["position", "nll", "running_mean"])
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_curve(rows, out_dir / "per_position.png", f"{split}: ppl {result['ppl']:.2f} at T={seq_len}")
+    print(json.dumps(result))
+    return result

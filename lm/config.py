@@ -1,0 +1,120 @@
+"""The training run's configuration: dataclasses read from YAML + command-line overrides by jsonargparse."""
+
+import difflib
+import re
+from dataclasses import dataclass, field
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from lm.data import DataConfig
+from lm.errors import UserError
+from lm.model import LMConfig
+from lm.schedule import OptimConfig
+
+
+@dataclass
+class TrainerConfig:
+    """How the run is driven (Lightning Trainer settings).
+
+    Args:
+        max_steps: Optimizer steps of the whole run (the schedule's length).
+        accumulate: Micro-batches per optimizer step.
+        val_every: Validate every this many optimizer steps.
+        ckpt_every: Checkpoint every this many optimizer steps (and at the end).
+        keep_last: Checkpoints kept; older ones are deleted once a newer one is complete.
+        log_every: Log every this many optimizer steps.
+        accelerator: "auto", "cpu" or "gpu".
+        devices: Devices per node ("auto" or a count).
+        num_nodes: Nodes.
+        strategy: Lightning strategy name ("auto", "ddp", ...).
+        precision: Lightning precision; None picks bf16-mixed on GPU and 32-true on CPU.
+        progress_bar: Show Lightning's progress bar.
+        peak_flops: Peak FLOP/s of one device, for MFU (None: no MFU logged).
+        wandb: Also log to Weights & Biases.
+        wandb_project: Its project.
+        wandb_mode: "offline" (default: nothing leaves the machine) or "online".
+    """
+
+    max_steps: int = 1000
+    accumulate: int = 1
+    val_every: int = 200
+    ckpt_every: int = 200
+    keep_last: int = 3
+    log_every: int = 10
+    accelerator: str = "auto"
+    devices: int | str = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str | None = None
+    progress_bar: bool = True
+    peak_flops: float | None = None
+    wandb: bool = False
+    wandb_project: str = "lm"
+    wandb_mode: str = "offline"
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; `lm train --print_config` shows it resolved."""
+
+    model: LMConfig = field(default_factory=LMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run_dir: str = "runs/default"
+    seed: int = 0
+
+
+def train_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="lm train", exit_on_error=False, default_env=False,
+                            description="Train a language model from a YAML config with command-line overrides.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file(s) with the settings below.")
+    parser.add_class_arguments(RunConfig, nested_key=None, fail_untyped=True)
+    parser.add_argument("--resume", type=str, default="auto",
+                        help="'auto': continue from the newest checkpoint of run_dir if there is one; "
+                             "'last': the same, but there must be one; or a checkpoint path.")
+    return parser
+
+
+def known_keys(parser: ArgumentParser) -> list[str]:
+    """Every dotted key the parser accepts (model.d_model, optim.lr, ...)."""
+    keys = []
+    for action in parser._actions:
+        keys += [s.lstrip("-") for s in action.option_strings if s.startswith("--")]
+    return keys
+
+
+def error_line(parser: ArgumentParser, err: Exception) -> str:
+    """jsonargparse's error as one line, with the closest valid key suggested for an unknown one."""
+    message = " ".join(str(err).split())
+    unknown = re.findall(r"Group '([\w.]+)' does not accept option '(\w+)'", message)
+    names = [f"{group}.{option}" for group, option in unknown]
+    names += re.findall(r"Option '([\w.]+)' is not accepted", message)
+    names += re.findall(r"--([\w.]+)", message.split("unrecognized arguments:", 1)[1]) \
+        if "unrecognized arguments:" in message else []
+    if names:
+        hints = []
+        for name in names:
+            close = difflib.get_close_matches(name, known_keys(parser), n=1, cutoff=0.5)
+            hints.append(f"unknown config key '{name}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        return "; ".join(hints)
+    return message[:400]
+
+
+def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
+    """(config, resume, resolved YAML) from `lm train` arguments; bad input raises UserError."""
+    parser = train_parser()
+    try:
+        namespace = parser.parse_args(argv)
+        run = parser.instantiate(namespace)
+    except UserError:
+        raise
+    except Exception as err:  # jsonargparse reports every bad key, type and file as an exception
+        cause = err.__cause__ or err.__context__
+        raise UserError(str(cause) if isinstance(cause, UserError) else error_line(parser, err)) from None
+    resume = namespace.pop("resume")
+    namespace.pop("config", None)
+    yaml = parser.dump(namespace, skip_none=False)
+    config = RunConfig(model=run.model, data=run.data, optim=run.optim, trainer=run.trainer,
+                       run_dir=run.run_dir, seed=run.seed)
+    return config, resume, yaml

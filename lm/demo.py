@@ -1,0 +1,69 @@
+"""`lm demo`: the embedded default. Prepare the bundled corpus, train a tiny model on CPU, evaluate, sample."""
+
+import csv
+import sys
+import time
+from pathlib import Path
+
+from lm.errors import UserError
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def last_logged(run_dir: Path, key: str) -> float | None:
+    """The last value of `key` in the run's CSV logs (all launches)."""
+    value = None
+    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:])):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row.get(key):
+                    value = float(row[key])
+    return value
+
+
+def demo(run_dir: str = "runs/demo", max_steps: int | None = None, recipe: str = str(DEMO_CONFIG),
+         progress: bool = True, sample_tokens: int = 60) -> dict:
+    """Prepare the bundled KJV corpus, train the tiny model of configs/demo.yaml on CPU, evaluate, sample.
+
+    Args:
+        run_dir: Where everything goes (data, checkpoints, logs, evaluation). A rerun resumes there.
+        max_steps: Override the recipe's optimizer steps.
+        recipe: The training config.
+        progress: Show progress bars.
+        sample_tokens: Tokens generated for the sample at the end.
+    """
+    from data_prep.prepare import BUNDLED_CORPUS, prepare
+    from eval.ppl import evaluate_ppl, unigram_ppl
+    from lm.config import parse_run_config
+    from lm.generate import generate_text
+    from lm.train import train
+
+    if not Path(recipe).is_file():
+        raise UserError(f"demo recipe {recipe} not found")
+    start = time.perf_counter()
+    data = str(Path(run_dir) / "data")
+    overrides = ["--run_dir", run_dir, "--data.path", data, "--trainer.progress_bar", str(progress).lower()]
+    overrides += ["--trainer.max_steps", str(max_steps)] if max_steps is not None else []
+    config, resume, yaml = parse_run_config(["--config", recipe] + overrides)
+    prepare([str(BUNDLED_CORPUS)], data, vocab_size=config.model.vocab_size, progress=progress)
+    checkpoint = train(config, resume, yaml)
+    result = evaluate_ppl(str(checkpoint))
+    unigram = unigram_ppl(data)
+    sample = generate_text(str(checkpoint), prompt="And God said", max_new_tokens=sample_tokens)
+    steps = config.trainer.max_steps
+    tokens = steps * config.trainer.accumulate * config.data.micro_batch * config.data.seq_len
+    summary = {"steps": steps, "tokens": tokens, "val_ppl": result["ppl"], "unigram_ppl": unigram,
+               "tokens_per_s": last_logged(Path(run_dir), "train/device/items_per_sec"),
+               "wall_s": time.perf_counter() - start, "checkpoint": str(checkpoint)}
+    print_summary(summary, sample)
+    return summary
+
+
+def print_summary(s: dict, sample: str) -> None:
+    speed = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "n/a"
+    rows = [("steps", f"{s['steps']:,}"), ("tokens trained", f"{s['tokens']:,}"),
+            ("validation ppl", f"{s['val_ppl']:.2f}"), ("unigram ppl (the bar)", f"{s['unigram_ppl']:.2f}"),
+            ("training tokens/s", speed), ("wall time", f"{s['wall_s']:.0f} s"), ("checkpoint", s["checkpoint"])]
+    width = max(len(k) for k, _ in rows)
+    out = sys.stdout
+    out.write("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows) + "\n\nsample:\n  " + sample + "\n")

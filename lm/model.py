@@ -1,0 +1,175 @@
+"""The backbone shared by every mixer (MesaNet paper, App. E): embedding, blocks of pre-RMSNorm mixer and
+pre-RMSNorm SwiGLU MLP with residuals, a final norm, a tied head with an optional logit soft cap."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.errors import UserError
+from lm.mixers import MIXERS
+
+
+@dataclass
+class LMConfig:
+    """Shape of a language model.
+
+    Args:
+        vocab_size: Rows of the embedding; at least the tokenizer's vocabulary.
+        d_model: Width of the residual stream.
+        n_layers: Number of blocks.
+        n_heads: Heads of each mixer.
+        head_dim: Key size per head (the paper uses 128).
+        mixer: Name in ``lm.mixers.MIXERS`` used by every layer unless ``layer_pattern`` is given.
+        mixer_options: Keyword options per mixer name, e.g. ``{"attention": {"n_kv_heads": 2}}``.
+        layer_pattern: Comma-separated mixer names repeated over the depth, e.g. ``"mesa,attention"``.
+        mlp_ratio: SwiGLU hidden width as a multiple of d_model (3 gives the paper's 9 d^2 parameters).
+        tie_embeddings: Share the embedding matrix with the output head.
+        logit_soft_cap: Logits become ``cap * tanh(logits / cap)``; None disables it.
+        max_seq_len: Longest training sequence the model is meant for.
+        norm_eps: Epsilon of the RMSNorms.
+        init_std: Standard deviation of the normal initialisation.
+    """
+
+    vocab_size: int = 50304
+    d_model: int = 768
+    n_layers: int = 14
+    n_heads: int = 6
+    head_dim: int = 128
+    mixer: str = "attention"
+    mixer_options: dict[str, dict] = field(default_factory=dict)
+    layer_pattern: str | None = None
+    mlp_ratio: float = 3.0
+    tie_embeddings: bool = True
+    logit_soft_cap: float | None = 30.0
+    max_seq_len: int = 2048
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
+        for name in set(self.layer_mixers()) | set(self.mixer_options):
+            if name not in MIXERS:
+                raise UserError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
+
+    def layer_mixers(self) -> list[str]:
+        """The mixer name of every layer: ``layer_pattern`` cycled over the depth, else ``mixer`` everywhere."""
+        pattern = [s.strip() for s in self.layer_pattern.split(",")] if self.layer_pattern else [self.mixer]
+        return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.mlp_ratio * self.d_model)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LMConfig, layer_idx: int, mixer_name: str):
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.mixer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        options = cfg.mixer_options.get(mixer_name, {})
+        self.mixer = MIXERS[mixer_name](cfg.d_model, cfg.n_heads, cfg.head_dim, layer_idx, **options)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
+
+    def forward(self, x, state=None):
+        y, state = self.mixer(self.mixer_norm(x), state)
+        x = x + y
+        return x + self.mlp(self.mlp_norm(x)), state
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, name) for i, name in enumerate(cfg.layer_mixers()))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Normal(0, init_std) for matrices, scaled by 1/sqrt(2 n_layers) on the residual outputs (GPT-2);
+        then each mixer's own gates and decays, which know their papers' initialisations."""
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                std = self.cfg.init_std
+                if name.endswith(("out_proj", "down_proj")):
+                    std /= math.sqrt(2 * self.cfg.n_layers)
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_mixer_parameters"):
+                module.reset_mixer_parameters()
+
+    def num_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.embed.weight.numel()
+
+    def forward(self, input_ids: torch.Tensor, state: list | None = None) -> tuple[torch.Tensor, list]:
+        """Logits [B, T, vocab] for input_ids [B, T], and the per-layer state to continue from."""
+        x = self.embed(input_ids)
+        state = state or [None] * len(self.blocks)
+        new_state = []
+        for block, layer_state in zip(self.blocks, state):
+            x, layer_state = block(x, layer_state)
+            new_state.append(layer_state)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight if self.head is None else self.head.weight)
+        if self.cfg.logit_soft_cap:
+            logits = self.cfg.logit_soft_cap * torch.tanh(logits / self.cfg.logit_soft_cap)
+        return logits, new_state
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue input_ids [B, T] by at most max_new_tokens, one token at a time from the carried state
+        (a KV cache for attention, the recurrent state otherwise). temperature 0 is greedy. Rows that emit
+        eos_id stop there (later positions are filled with eos_id); returns [B, T + n_generated]."""
+        logits, state = self(input_ids)
+        out, done = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            token = sample_next(logits[:, -1].float(), temperature, top_k, top_p, generator)
+            if eos_id is not None:
+                token = torch.where(done, torch.full_like(token, eos_id), token)
+                done |= token == eos_id
+            out = torch.cat([out, token[:, None]], dim=1)
+            if eos_id is not None and bool(done.all()):
+                break
+            logits, state = self(token[:, None], state)
+        return out
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of logits [B, V]: greedy at temperature 0, else sampled from the tempered
+    distribution restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)

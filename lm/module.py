@@ -1,0 +1,65 @@
+"""The LightningModule: next-token loss, AdamW groups, the learning-rate schedule, gradient norm."""
+
+import math
+from dataclasses import asdict
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lm.model import LanguageModel, LMConfig
+from lm.param_groups import param_groups
+from lm.rng import rng_state, set_rng_state
+from lm.schedule import OptimConfig, lr_at
+
+
+def next_token_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] (computed in float32)."""
+    logits, _ = model(windows[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+
+class LMModule(L.LightningModule):
+    def __init__(self, model: LMConfig | dict, optim: OptimConfig | dict, max_steps: int):
+        super().__init__()
+        model = LMConfig(**model) if isinstance(model, dict) else model
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
+        # Plain dicts, so that a checkpoint loads with torch.load(weights_only=True).
+        self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
+        self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
+        self.model = LanguageModel(model)
+
+    def training_step(self, batch, batch_idx):
+        loss = next_token_loss(self.model, batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", math.exp(min(loss.item(), 50.0)))
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = next_token_loss(self.model, batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+
+    def on_validation_epoch_end(self):
+        loss = self.trainer.callback_metrics.get("val/loss")
+        if loss is not None:
+            self.log("val/ppl", math.exp(min(float(loss), 50.0)), sync_dist=False)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(param_groups(self.model, self.optim_cfg), lr=self.optim_cfg.lr,
+                                      betas=self.optim_cfg.betas, eps=self.optim_cfg.eps)
+        factor = lambda step: lr_at(step, self.max_steps, self.optim_cfg) / self.optim_cfg.lr  # noqa: E731
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.log("train/grad_norm", norm)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["rng"] = rng_state()
+
+    def on_load_checkpoint(self, checkpoint):
+        if "rng" in checkpoint:
+            set_rng_state(checkpoint["rng"])

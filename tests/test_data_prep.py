@@ -1,0 +1,358 @@
+"""Tests of data_prep: sources, tokenizer, shards, manifest verification and reuse. Offline, small, fast."""
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, models
+
+from data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
+from data_prep.shards import DTYPES, is_validation, sha256_file, token_dtype, write_splits
+from data_prep.sources import decode, iter_documents
+from data_prep.tokenizer import separator
+from lm.errors import UserError
+
+VOCAB = 300  # tiny: 256 bytes + separator + a few merges keeps training instant
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    """A .jsonl (or .jsonl.gz) file with one {field: text} per line."""
+    lines = "".join(json.dumps({field: t}) + "\n" for t in texts).encode()
+    path.write_bytes(gzip.compress(lines) if path.name.endswith(".gz") else lines)
+    return path
+
+
+def sample_texts(n: int = 12) -> list[str]:
+    """Distinct little documents with enough repetition for BPE merges."""
+    return [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times.\nAnd again." for i in range(n)]
+
+
+def split_tokens(out: Path, manifest: dict, split: str) -> np.ndarray:
+    """A split's whole token stream (shards concatenated)."""
+    maps = open_split(out, manifest, split)
+    return np.concatenate(maps) if maps else np.empty(0, DTYPES[manifest["dtype"]])
+
+
+def split_documents(out: Path, manifest: dict, split: str) -> list[str]:
+    """Decode each document of a split (the tokens after each separator)."""
+    tokens, sep = split_tokens(out, manifest, split), manifest["tokenizer"]["sep_id"]
+    tok = Tokenizer.from_file(str(out / manifest["tokenizer"]["file"]))
+    starts = np.flatnonzero(tokens == sep)
+    assert len(tokens) == 0 or starts[0] == 0, "a split must start with the separator"
+    ends = [*starts[1:], len(tokens)]
+    return [tok.decode(tokens[s + 1:e].tolist(), skip_special_tokens=False) for s, e in zip(starts, ends, strict=True)]
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file's mtime_ns and bytes, to prove nothing was rewritten."""
+    return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(directory.iterdir())}
+
+
+def run(inputs, out, **kwargs) -> dict:
+    """prepare() with the tiny test vocab and no progress bars."""
+    kwargs.setdefault("vocab_size", VOCAB)
+    return prepare([str(i) for i in inputs], str(out), progress=False, **kwargs)
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No hub access and a private datasets cache, so nothing is downloaded or retried."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+@pytest.fixture(scope="module")
+def kjv(tmp_path_factory):
+    """The bundled corpus, prepared once for the module."""
+    out = tmp_path_factory.mktemp("kjv")
+    return out, prepare(out=str(out), vocab_size=VOCAB, progress=False)
+
+
+# ---------------------------------------------------------------- the bundled corpus
+
+
+def test_bundled_corpus(kjv):
+    out, manifest = kjv
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "lm-shards/1"
+    assert manifest["dtype"] == "uint16"
+    assert manifest["sources"] == [str(BUNDLED_CORPUS.resolve())]
+    assert manifest["replaced_bytes"] == 0
+    tok = manifest["tokenizer"]
+    assert tok == {**tok, "file": "tokenizer.json", "vocab_size": VOCAB, "sep_id": 0, "sep_token": "<|endoftext|>"}
+    assert tok["sha256"] == sha256_file(out / "tokenizer.json")
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == VOCAB
+
+    for split, entry in manifest["splits"].items():
+        tokens = split_tokens(out, manifest, split)
+        assert entry["tokens"] == len(tokens) == sum(s["tokens"] for s in entry["shards"])
+        assert entry["documents"] == int((tokens == 0).sum()) == sum(s["documents"] for s in entry["shards"])
+        for shard in entry["shards"]:
+            path = out / shard["name"]
+            assert shard["sha256"] == sha256_file(path)
+            assert path.stat().st_size == shard["tokens"] * 2
+    assert manifest["splits"]["validation"]["documents"] >= 1
+    assert sum(e["documents"] for e in manifest["splits"].values()) == 1189
+
+    # lossless and disjoint: train + validation is exactly the corpus, each chapter once
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        chapters = [json.loads(line)["text"] for line in f]
+    train, val = split_documents(out, manifest, "train"), split_documents(out, manifest, "validation")
+    assert Counter(train + val) == Counter(chapters)
+    assert not set(train) & set(val)
+
+
+def test_reader_memmaps_are_read_only(kjv):
+    out, manifest = kjv
+    maps = open_split(out, load_manifest(out), "train")
+    assert maps and all(isinstance(m, np.memmap) and not m.flags.writeable for m in maps)
+    with pytest.raises(UserError, match="unknown split"):
+        open_split(out, manifest, "test")
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_round_trip_tricky_text(tmp_path):
+    texts = ["  leading spaces and trailing  ", "unicode: naïve café — 日本語 🙂", "crlf\r\nlines\ttabs",
+             "a literal <|endoftext|> inside is text, not a separator", *sample_texts(6)]
+    manifest = run([write_jsonl(tmp_path / "a.jsonl", texts)], tmp_path / "out")
+    docs = split_documents(tmp_path / "out", manifest, "train") + split_documents(tmp_path / "out", manifest,
+                                                                                  "validation")
+    assert Counter(docs) == Counter(texts)
+
+
+def test_all_formats_and_directories(tmp_path, offline):
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("plain text file\nwith two lines")
+    (src / "b.txt.gz").write_bytes(gzip.compress(b"gzipped text file"))
+    write_jsonl(src / "c.jsonl", ["json one", "   ", "json two"])
+    write_jsonl(src / "sub" / "d.jsonl.gz", ["gz json"])
+    pq.write_table(pa.table({"text": ["parquet one", None, "parquet two"], "id": [1, 2, 3]}), src / "sub" / "e.parquet")
+    (src / "README.md").write_text("not an input: directories skip unsupported files")
+    (src / ".git").mkdir()
+    (src / ".git" / "x.txt").write_text("hidden folders are skipped too")
+    expected = ["plain text file\nwith two lines", "gzipped text file", "json one", "json two", "gz json",
+                "parquet one", "parquet two"]
+
+    assert [t for t, _ in iter_documents([src])] == expected
+    assert [t for t, _ in iter_documents(src / "sub" / "e.parquet")] == ["parquet one", "parquet two"]
+    assert [t for t, _ in iter_documents([str(src / "*.jsonl")])] == ["json one", "json two"]
+    manifest = run([src], tmp_path / "out")
+    assert sum(e["documents"] for e in manifest["splits"].values()) == len(expected)
+
+    # the `datasets` path, offline through the local "json" builder
+    data = write_jsonl(tmp_path / "ds.jsonl", sample_texts(5))
+    for streaming in (False, True):
+        docs = iter_documents(dataset="json", data_files=[str(data)], streaming=streaming)
+        assert [t for t, _ in docs] == sample_texts(5)
+    manifest = run([], tmp_path / "ds_out", dataset="json", data_files=[str(data)])
+    assert manifest["sources"] == [f"dataset=json split=train data_files={data}"]
+    assert sum(e["documents"] for e in manifest["splits"].values()) == 5
+
+
+def test_text_field_and_bad_records(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", ["x"], field="content")
+    assert [t for t, _ in iter_documents([path], text_field="content")] == ["x"]
+    with pytest.raises(UserError, match="no field 'text'"):
+        list(iter_documents([path]))
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(UserError, match=r"bad\.jsonl:2: not valid JSON"):
+        list(iter_documents([tmp_path / "bad.jsonl"]))
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 ok \xff\xfe end " * 3)
+    (tmp_path / "b.txt").write_text("already has \ufffd: not counted")  # only replacements made here count
+    manifest = run([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "out")
+    assert manifest["replaced_bytes"] == 9
+    docs = split_documents(tmp_path / "out", manifest, "train") + split_documents(tmp_path / "out", manifest,
+                                                                                  "validation")
+    assert "caf\ufffd ok \ufffd\ufffd end " * 3 in docs
+
+
+@pytest.mark.parametrize("data", [b"", b"ascii", b"\xe2\x82", b"a\xe2\x82\xacb\xc3", b"\xed\xa0\x80x", b"\xf0\x9f\x99"])
+def test_decode_matches_python_replace(data):
+    text, replaced = decode(data)
+    assert text == data.decode("utf-8", "replace")
+    assert replaced == text.count("\ufffd")  # these inputs hold no U+FFFD of their own
+
+
+# ---------------------------------------------------------------- reuse
+
+
+def test_reuse_refuse_and_overwrite(tmp_path):
+    a, b, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "b.txt", tmp_path / "out"
+    b.write_text("a different dataset")
+    first = run([a], out)
+    before = snapshot(out)
+    assert run([a], out) == first
+    assert snapshot(out) == before  # nothing rewritten: same mtimes, same bytes
+
+    with pytest.raises(UserError, match="different dataset.*overwrite"):
+        run([b], out)
+    assert snapshot(out) == before
+    with pytest.raises(UserError, match="different dataset"):
+        run([a], out, seed=1)  # settings are part of the fingerprint too
+
+    second = run([b], out, overwrite=True)
+    assert second["fingerprint"] != first["fingerprint"]
+    assert load_manifest(out) == second
+    assert split_documents(out, second, "train") == ["a different dataset"]
+    assert not (out / "validation_00000.bin").exists()  # one document: nothing stale left behind
+
+
+def test_corrupt_shard_is_rebuilt_on_rerun(tmp_path):
+    a, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "out"
+    first = run([a], out)
+    shard = out / "train_00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    assert run([a], out) == first
+    assert sha256_file(shard) == first["splits"]["train"]["shards"][0]["sha256"]
+
+
+# ---------------------------------------------------------------- verification
+
+
+def test_load_manifest_detects_damage(tmp_path):
+    out = tmp_path / "out"
+    manifest = run([write_jsonl(tmp_path / "a.jsonl", sample_texts(8))], out)
+    shard = out / "train_00000.bin"
+    good = shard.read_bytes()
+
+    flipped = bytearray(good)
+    flipped[3] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    with pytest.raises(UserError, match=r"corrupt shard .*train_00000\.bin: sha256 mismatch"):
+        load_manifest(out)
+    assert load_manifest(out, verify=False) == manifest  # size still right: only the hash can tell
+
+    shard.write_bytes(good[:-1])
+    with pytest.raises(UserError, match="bytes, manifest says"):
+        load_manifest(out, verify=False)
+    shard.unlink()
+    with pytest.raises(UserError, match="missing shard"):
+        load_manifest(out)
+
+    shard.write_bytes(good)
+    (out / "manifest.json").write_text("{not json")
+    with pytest.raises(UserError, match="bad manifest"):
+        load_manifest(out)
+    (out / "manifest.json").write_text(json.dumps({**manifest, "format": "other/9"}))
+    with pytest.raises(UserError, match="format"):
+        load_manifest(out)
+    (out / "manifest.json").unlink()
+    with pytest.raises(UserError, match="manifest.json"):
+        load_manifest(out)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_user_errors(tmp_path):
+    (tmp_path / "blank.txt").write_text("  \n\t\n")
+    write_jsonl(tmp_path / "blank.jsonl", ["", "   "])
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="empty corpus"):
+        run([tmp_path / "blank.txt", tmp_path / "blank.jsonl"], out)
+    assert not out.exists()  # failed before touching the output
+    with pytest.raises(UserError, match="input not found"):
+        run([tmp_path / "missing.txt"], out)
+    with pytest.raises(UserError, match="no input files"):
+        run([str(tmp_path / "*.csv")], out)
+    (tmp_path / "data.csv").write_text("a,b")
+    with pytest.raises(UserError, match="unknown file extension"):
+        run([tmp_path / "data.csv"], out)
+    with pytest.raises(UserError, match="val_fraction"):
+        run([tmp_path / "blank.txt"], out, val_fraction=1.0)
+    with pytest.raises(UserError, match="too small"):
+        run([tmp_path / "blank.txt"], out, vocab_size=100)
+    (tmp_path / "bad.txt.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(UserError, match="cannot read"):
+        run([tmp_path / "bad.txt.gz"], out)
+
+
+def test_unreachable_dataset_and_hub_tokenizer(tmp_path, offline):
+    (tmp_path / "a.txt").write_text("some text")
+    with pytest.raises(UserError, match="cannot load dataset 'no-such/dataset'"):
+        run([], tmp_path / "out", dataset="no-such/dataset")
+    with pytest.raises(UserError, match="cannot load tokenizer 'no-such/tokenizer'"):
+        run([tmp_path / "a.txt"], tmp_path / "out", tokenizer="no-such/tokenizer")
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_given_tokenizer_file(tmp_path):
+    texts = sample_texts(8)
+    first = run([write_jsonl(tmp_path / "a.jsonl", texts)], tmp_path / "first", vocab_size=320)
+    path = tmp_path / "first" / "tokenizer.json"
+    manifest = run([write_jsonl(tmp_path / "b.jsonl", texts[:4])], tmp_path / "second", tokenizer=str(path))
+    vocab = Tokenizer.from_file(str(path)).get_vocab_size()
+    assert manifest["tokenizer"]["vocab_size"] == first["tokenizer"]["vocab_size"] == vocab <= 320  # tiny corpus
+    assert manifest["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
+    with pytest.raises(UserError, match="tokenizer file not found"):
+        run([tmp_path / "a.jsonl"], tmp_path / "third", tokenizer=str(tmp_path / "nope.json"))
+
+
+def test_separator_choice():
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2}, unk_token="[UNK]"))
+    assert separator(tok) == ("</s>", 2)
+    with pytest.raises(UserError, match="separator"):
+        separator(Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+
+
+def test_token_dtype():
+    assert token_dtype(300) == token_dtype(65536) == "uint16"
+    assert token_dtype(65537) == token_dtype(200_000) == "uint32"
+
+
+# ---------------------------------------------------------------- shards
+
+
+def test_small_shards_concatenate_to_the_single_shard(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", sample_texts(30))
+    single = run([a], tmp_path / "one")
+    many = run([a], tmp_path / "many", shard_tokens=50)
+    for split in ("train", "validation"):
+        one, parts = single["splits"][split], many["splits"][split]
+        assert len(parts["shards"]) > 1 or parts["tokens"] <= 50
+        assert all(s["tokens"] == 50 for s in parts["shards"][:-1])
+        assert (parts["tokens"], parts["documents"]) == (one["tokens"], one["documents"])
+        assert sum(s["documents"] for s in parts["shards"]) == parts["documents"]
+        assert np.array_equal(split_tokens(tmp_path / "many", many, split), split_tokens(tmp_path / "one", single,
+                                                                                          split))
+    assert load_manifest(tmp_path / "many") == many
+
+
+def test_split_rules(tmp_path):
+    assert is_validation(7, 0, 0.5) == is_validation(7, 0, 0.5)
+    flips = [is_validation(i, 0, 0.3) for i in range(2000)]
+    assert 0.25 < sum(flips) / len(flips) < 0.35
+    docs = [np.array([0, 5, 6], np.uint16), np.array([0, 7], np.uint16)]
+    splits = write_splits(docs, tmp_path, "uint16", 100, seed=0, val_fraction=1e-9)
+    assert (splits["train"]["documents"], splits["validation"]["documents"]) == (1, 1)  # the last one is held out
+    splits = write_splits(docs[:1], tmp_path, "uint16", 100, seed=0, val_fraction=0.999999)
+    assert (splits["train"]["documents"], splits["validation"]["shards"]) == (1, [])  # one document: train
+
+
+def test_signature_works_with_jsonargparse():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_function_arguments(prepare)
+    cfg = parser.parse_args(["--inputs", "[a.txt, data/]", "--out", "x", "--vocab_size", "512"])
+    assert (list(cfg.inputs), cfg.out, cfg.vocab_size, cfg.overwrite) == (["a.txt", "data/"], "x", 512, False)
