@@ -21,13 +21,14 @@ demo: $(STAMP)
 	$(BIN)/lm demo
 
 test: $(STAMP)
+	$(BIN)/ruff check lm data_prep eval bench tests configs
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check lm data_prep eval bench tests
+	$(BIN)/ruff check lm data_prep eval bench tests configs
 
 clean:
 	rm -rf $(VENV) runs/demo

@@ -1,6 +1,8 @@
-"""`lm`: the command line. Each subcommand's options come from a function signature or dataclass via
-jsonargparse; bad input ends with one line on stderr and exit status 2."""
+"""`lm`: the command line. Each subcommand's options come from a function's signature and docstring (or, for
+`lm train`, the run config's dataclasses) via jsonargparse; bad input ends with one line on stderr and exit
+status 2."""
 
+import importlib
 import sys
 from collections.abc import Callable
 
@@ -8,14 +10,28 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.errors import UserError
 
+# command -> "module:function"; the function's signature is the command's options.
+COMMANDS = {
+    "prepare": "data_prep.prepare:prepare",
+    "train": "lm.train:train_from_args",
+    "eval ppl": "eval.ppl:evaluate_ppl",
+    "eval mqar": "eval.mqar:mqar_table",
+    "generate": "lm.generate:generate_text",
+    "bench train": "bench.train_speed:bench_train",
+    "bench mixer": "bench.mixer_speed:bench_mixers",
+    "demo": "lm.demo:demo",
+}
+
 USAGE = """usage: lm COMMAND [options]   (lm COMMAND --help for its options)
 
 commands:
   prepare      text files or a datasets dataset -> tokenizer + token shards
   train        fit a model from a YAML config (+ overrides); reruns in the same run_dir resume
   eval ppl     perplexity and per-position NLL of a checkpoint on validation shards
+  eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
   generate     sample a continuation from a checkpoint
-  bench        speed benchmarks (tokens/s, MFU)
+  bench train  training tokens/s and MFU
+  bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 
@@ -37,57 +53,36 @@ def call_with_args(fn: Callable, argv: list[str], prog: str):
     return fn(**namespace.as_dict())
 
 
-def command_train(argv):
-    from lm.config import parse_run_config
-    from lm.train import train
-
-    config, resume, yaml = parse_run_config(argv)
-    train(config, resume, yaml)
-
-
-def commands() -> dict[str, Callable[[list[str]], object]]:
-    def prepare(argv):
-        from data_prep.prepare import prepare
-        call_with_args(prepare, argv, "lm prepare")
-
-    def eval_(argv):
-        if not argv or argv[0] not in ("ppl",):
-            raise UserError("usage: lm eval ppl --checkpoint PATH [options]")
-        from eval.ppl import evaluate_ppl
-        call_with_args(evaluate_ppl, argv[1:], "lm eval ppl")
-
-    def generate(argv):
-        from lm.generate import generate_text
-        print(call_with_args(generate_text, argv, "lm generate"))
-
-    def bench(argv):
-        from bench.train_speed import bench_train
-        call_with_args(bench_train, argv, "lm bench")
-
-    def demo(argv):
-        from lm.demo import demo
-        call_with_args(demo, argv, "lm demo")
-
-    return {"prepare": prepare, "train": command_train, "eval": eval_, "generate": generate, "bench": bench,
-            "demo": demo}
+def find_command(argv: list[str]) -> tuple[str, list[str]]:
+    """The command named by the first one or two words of argv, and the rest."""
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if name in COMMANDS:
+            return name, argv[words:]
+    groups = sorted({c.split()[0] for c in COMMANDS})
+    raise UserError(f"unknown command {' '.join(argv[:2])!r}; one of: {', '.join(COMMANDS)}"
+                    if argv[0] not in groups else
+                    f"usage: lm {argv[0]} {{{'|'.join(c.split()[1] for c in COMMANDS if c.startswith(argv[0]))}}}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    table = commands()
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    if argv[0] not in table:
-        print(f"lm: unknown command {argv[0]!r}; one of: {', '.join(table)}", file=sys.stderr)
-        return 2
+    name = argv[0]
     try:
-        table[argv[0]](argv[1:])
+        name, rest = find_command(argv)
+        module, function = COMMANDS[name].split(":")
+        fn = getattr(importlib.import_module(module), function)
+        result = fn(rest) if name == "train" else call_with_args(fn, rest, f"lm {name}")
+        if name == "generate":
+            print(result)
     except UserError as err:
-        print(f"lm {argv[0]}: error: {err}", file=sys.stderr)
+        print(f"lm {name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"lm {argv[0]}: interrupted", file=sys.stderr)
+        print(f"lm {name}: interrupted", file=sys.stderr)
         return 130
     return 0
 

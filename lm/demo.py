@@ -21,12 +21,14 @@ def last_logged(run_dir: Path, key: str) -> float | None:
     return value
 
 
-def demo(run_dir: str = "runs/demo", max_steps: int | None = None, recipe: str = str(DEMO_CONFIG),
-         progress: bool = True, sample_tokens: int = 60) -> dict:
+def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | None = None,
+         recipe: str = str(DEMO_CONFIG), progress: bool = True, sample_tokens: int = 60) -> dict:
     """Prepare the bundled KJV corpus, train the tiny model of configs/demo.yaml on CPU, evaluate, sample.
 
     Args:
-        run_dir: Where everything goes (data, checkpoints, logs, evaluation). A rerun resumes there.
+        mixer: The sequence mixer of every layer (attention, mamba2, mlstm, deltanet, gated_deltanet).
+        run_dir: Where everything goes (data, checkpoints, logs, evaluation); default runs/demo, or
+            runs/demo-MIXER for another mixer. A rerun resumes there.
         max_steps: Override the recipe's optimizer steps.
         recipe: The training config.
         progress: Show progress bars.
@@ -41,8 +43,10 @@ def demo(run_dir: str = "runs/demo", max_steps: int | None = None, recipe: str =
     if not Path(recipe).is_file():
         raise UserError(f"demo recipe {recipe} not found")
     start = time.perf_counter()
+    run_dir = run_dir or ("runs/demo" if mixer == "attention" else f"runs/demo-{mixer}")
     data = str(Path(run_dir) / "data")
-    overrides = ["--run_dir", run_dir, "--data.path", data, "--trainer.progress_bar", str(progress).lower()]
+    overrides = ["--run_dir", run_dir, "--data.path", data, "--trainer.progress_bar", str(progress).lower(),
+                 "--model.mixer", mixer]
     overrides += ["--trainer.max_steps", str(max_steps)] if max_steps is not None else []
     config, resume, yaml = parse_run_config(["--config", recipe] + overrides)
     prepare([str(BUNDLED_CORPUS)], data, vocab_size=config.model.vocab_size, progress=progress)
@@ -52,7 +56,7 @@ def demo(run_dir: str = "runs/demo", max_steps: int | None = None, recipe: str =
     sample = generate_text(str(checkpoint), prompt="And God said", max_new_tokens=sample_tokens)
     steps = config.trainer.max_steps
     tokens = steps * config.trainer.accumulate * config.data.micro_batch * config.data.seq_len
-    summary = {"steps": steps, "tokens": tokens, "val_ppl": result["ppl"], "unigram_ppl": unigram,
+    summary = {"mixer": mixer, "steps": steps, "tokens": tokens, "val_ppl": result["ppl"], "unigram_ppl": unigram,
                "tokens_per_s": last_logged(Path(run_dir), "train/device/items_per_sec"),
                "wall_s": time.perf_counter() - start, "checkpoint": str(checkpoint)}
     print_summary(summary, sample)
@@ -61,7 +65,7 @@ def demo(run_dir: str = "runs/demo", max_steps: int | None = None, recipe: str =
 
 def print_summary(s: dict, sample: str) -> None:
     speed = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "n/a"
-    rows = [("steps", f"{s['steps']:,}"), ("tokens trained", f"{s['tokens']:,}"),
+    rows = [("mixer", s["mixer"]), ("steps", f"{s['steps']:,}"), ("tokens trained", f"{s['tokens']:,}"),
             ("validation ppl", f"{s['val_ppl']:.2f}"), ("unigram ppl (the bar)", f"{s['unigram_ppl']:.2f}"),
             ("training tokens/s", speed), ("wall time", f"{s['wall_s']:.0f} s"), ("checkpoint", s["checkpoint"])]
     width = max(len(k) for k, _ in rows)

@@ -63,7 +63,7 @@ class LMConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        return int(self.mlp_ratio * self.d_model)
+        return int(round(self.mlp_ratio * self.d_model))
 
 
 class SwiGLU(nn.Module):

@@ -108,3 +108,11 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     trainer = build_trainer(config, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
     return newest_checkpoint(run_dir / "checkpoints")
+
+
+def train_from_args(argv: list[str]) -> Path:
+    """`lm train`: the run config from YAML + overrides (lm.config), then `train`."""
+    from lm.config import parse_run_config
+
+    config, resume, yaml = parse_run_config(argv)
+    return train(config, resume, yaml)

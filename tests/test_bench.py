@@ -28,7 +28,7 @@ def test_bench_train_figures_are_consistent(tmp_path, capsys):
 
 def test_cli_bench_prints_json():
     args = [str(a) for k, v in TINY.items() for a in (f"--{k}", v)]
-    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "train", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout[: proc.stdout.index("\n|")])

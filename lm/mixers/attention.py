@@ -40,6 +40,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
+    @staticmethod
+    def param_count(d_model, n_heads, head_dim, n_kv_heads=None, **_) -> int:
+        return d_model * head_dim * (2 * n_heads + 2 * (n_kv_heads or n_heads))
+
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None):
         B, T, _ = x.shape
         seen = 0 if state is None else state[0].shape[2]

@@ -1,0 +1,57 @@
+"""Small building blocks shared by the recurrent mixers: a short causal convolution that carries its state,
+a gated RMSNorm, and the initialisations of decay time steps."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution over time (width `size`, no bias) with an optional SiLU.
+
+    State: the last size - 1 inputs [B, size - 1, channels], so a sequence can be fed in pieces.
+    Parameters: channels * size.
+    """
+
+    def __init__(self, channels: int, size: int = 4, activation: bool = True):
+        super().__init__()
+        self.size, self.activation = size, activation
+        self.weight = nn.Parameter(torch.empty(channels, 1, size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+        if state is None:
+            state = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
+        padded = torch.cat([state, x], dim=1)  # [B, size - 1 + T, C]
+        y = F.conv1d(padded.transpose(1, 2), self.weight, groups=self.weight.shape[0]).transpose(1, 2)
+        return (F.silu(y) if self.activation else y), padded[:, padded.shape[1] - (self.size - 1):]
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the last dim of x, times silu(gate): y = norm(x) * w * silu(gate) (fla's FusedRMSNormGated).
+    With `gate_first`, Mamba2's order: norm(x * silu(gate)) * w. Parameters: dim."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, gate_first: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.gate_first = eps, gate_first
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.gate_first:
+            return F.rms_norm(x * F.silu(gate), (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) * F.silu(gate)
+
+
+def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:
+    """Mamba's init: softplus(dt_bias) log-uniform in [dt_min, dt_max], so the decays start spread in time."""
+    with torch.no_grad():
+        dt = torch.exp(torch.rand_like(dt_bias) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+
+
+def no_weight_decay(*params: nn.Parameter) -> None:
+    """Mark parameters that AdamW must not decay (decay rates, skips, norms' gains)."""
+    for p in params:
+        p.no_weight_decay = True

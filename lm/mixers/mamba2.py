@@ -1,0 +1,80 @@
+"""Mamba2 (Dao & Gu, 2024): a scalar-decay state space model, computed as gated linear attention (SSD)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay
+from lm.ops import linear_attention, linear_attention_recurrent
+from lm.ops.common import compute_dtype
+
+
+class Mamba2(nn.Module):
+    """Mamba2 mixer. One input projection gives (z, x, B, C, dt); x, B, C pass a short causal conv + SiLU;
+    per head h: dt = softplus(dt_raw + dt_bias), A = -exp(A_log), and the SSD recurrence
+    S_t = exp(dt A) S_{t-1} + dt B_t x_t^T, y_t = S_t^T C_t + D x_t (linear_attention with q=C, k=B, v=x,
+    beta=dt, log_gamma=dt A); then norm(y * silu(z)) and the output projection.
+
+    n_heads SSM heads; head_dim is the state size N of B and C (shared by all heads of a group); each head's
+    value width is P = expand * d_model / n_heads.
+
+    Parameters, with I = expand * d_model, G = n_groups, W = conv_size:
+        d_model * (2 I + 2 G N + n_heads)    input projection
+      + (I + 2 G N) * W                      conv
+      + 3 n_heads                            A_log, dt_bias, D
+      + I                                    norm
+      + I * d_model                          output projection
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand: float = 2.0,
+                 n_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, backend: str = "auto"):
+        super().__init__()
+        inner = int(round(expand * d_model))
+        if inner % n_heads or n_heads % n_groups:
+            raise ValueError(f"expand * d_model ({inner}) must divide into n_heads ({n_heads}) and n_heads "
+                             f"into n_groups ({n_groups})")
+        self.n_heads, self.state_size, self.n_groups, self.inner = n_heads, head_dim, n_groups, inner
+        self.chunk_size, self.backend = chunk_size, backend
+        bc = 2 * n_groups * head_dim
+        self.in_proj = nn.Linear(d_model, 2 * inner + bc + n_heads, bias=False)
+        self.conv = ShortConv(inner + bc, conv_size)
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self.D = nn.Parameter(torch.empty(n_heads))
+        self.norm = GatedRMSNorm(inner, gate_first=True)
+        self.out_proj = nn.Linear(inner, d_model, bias=False)
+        no_weight_decay(self.A_log, self.dt_bias, self.D)
+        self.reset_mixer_parameters()
+
+    def reset_mixer_parameters(self):
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
+            self.D.fill_(1.0)
+        init_dt_bias(self.dt_bias)
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        B, T, _ = x.shape
+        H, N, G = self.n_heads, self.state_size, self.n_groups
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.inner + 2 * G * N, H], dim=-1)
+        xbc, conv_state = self.conv(xbc, None if state is None else state["conv"])
+        xs, b, c = xbc.split([self.inner, G * N, G * N], dim=-1)
+        xs = xs.view(B, T, H, -1)
+        # Groups share B and C across their heads.
+        b = b.view(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N)
+        c = c.view(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N)
+        dt = F.softplus(dt.to(compute_dtype(x)) + self.dt_bias.to(compute_dtype(x)))  # [B, T, H], decay math in fp32
+        log_gamma = -torch.exp(self.A_log.to(compute_dtype(x))) * dt
+        op = linear_attention_recurrent if T == 1 and state is not None else linear_attention
+        kwargs = {} if op is linear_attention_recurrent else {"chunk_size": self.chunk_size, "backend": self.backend}
+        y, ssm_state = op(c, b, xs, log_gamma, dt, 1.0, initial_state=None if state is None else state["ssm"],
+                          **kwargs)
+        y = y + self.D.to(y.dtype)[:, None] * xs
+        y = self.norm(y.reshape(B, T, self.inner), z)
+        return self.out_proj(y), {"conv": conv_state, "ssm": ssm_state}
+
+    @staticmethod
+    def param_count(d_model, n_heads, head_dim, expand=2.0, n_groups=1, conv_size=4, **_) -> int:
+        inner = int(round(expand * d_model))
+        bc = 2 * n_groups * head_dim
+        return d_model * (2 * inner + bc + n_heads) + (inner + bc) * conv_size + 3 * n_heads + inner + inner * d_model
+

@@ -1,0 +1,112 @@
+"""The Mesa layer (von Oswald et al., 2025, "MesaNet"): at every step the optimal linear readout of an
+in-context ridge regression, o_t = G_t (H_t + Lambda)^{-1} q_t, solved by conjugate gradient."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.mixers.layers import GatedRMSNorm, ShortConv, no_weight_decay
+from lm.ops import mesa, mesa_recurrent
+from lm.ops.common import compute_dtype
+
+
+class Mesa(nn.Module):
+    """Mesa mixer. q, k, v projections; a short causal conv + SiLU on q and k (and on v with conv_v); q and k
+    L2-normalised per head; beta = sigmoid(W_beta x + b) and gamma = sigmoid(W_gamma x + b) per head, with the
+    gamma cap gamma * (1 - (1 - gamma_cap) * beta^2) against runs of repeated tokens; Lambda = lam_floor +
+    softplus(lam_raw) per head and key dim, initialised to 1; the Mesa op (lm.ops.mesa, CG with cg_steps in
+    training and cg_steps_eval in evaluation); a per-head RMSNorm, times silu(W_g x) with output_gate; the
+    output projection. After each call `last_cg_info` holds the mean CG iterations and relative residual.
+
+    Key size K = head_dim, value size V = expand_v * head_dim per head.
+
+    Parameters, with HK = n_heads * K, HV = n_heads * V, W = conv_size:
+        d_model * (2 HK + HV)            q, k, v
+      + 2 (d_model * n_heads + n_heads)  beta and gamma gates (with biases)
+      + 2 HK * W (+ HV * W with conv_v)  convs
+      + HK                               Lambda
+      + V                                output norm
+      (+ d_model * HV with output_gate)  output gate
+      + HV * d_model                     output projection
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand_v: float = 1.0,
+                 conv_size: int = 4, conv_v: bool = False, cg_steps: int = 30, cg_steps_eval: int | None = None,
+                 cg_tol: float | None = None, lam_floor: float = 0.25, gamma_cap: float | None = 0.9975,
+                 output_gate: bool = False, chunk_size: int = 64, backend: str = "auto"):
+        super().__init__()
+        self.n_heads, self.key_dim, self.value_dim = n_heads, head_dim, int(round(expand_v * head_dim))
+        self.cg_steps, self.cg_steps_eval, self.cg_tol = cg_steps, cg_steps_eval, cg_tol
+        self.lam_floor, self.gamma_cap, self.chunk_size, self.backend = lam_floor, gamma_cap, chunk_size, backend
+        hk, hv = n_heads * self.key_dim, n_heads * self.value_dim
+        self.q_proj = nn.Linear(d_model, hk, bias=False)
+        self.k_proj = nn.Linear(d_model, hk, bias=False)
+        self.v_proj = nn.Linear(d_model, hv, bias=False)
+        self.beta_proj = nn.Linear(d_model, n_heads)
+        self.gamma_proj = nn.Linear(d_model, n_heads)
+        self.q_conv, self.k_conv = ShortConv(hk, conv_size), ShortConv(hk, conv_size)
+        self.v_conv = ShortConv(hv, conv_size) if conv_v else None
+        self.lam_raw = nn.Parameter(torch.empty(n_heads, self.key_dim))
+        self.norm = GatedRMSNorm(self.value_dim) if output_gate else nn.RMSNorm(self.value_dim, eps=1e-6)
+        self.g_proj = nn.Linear(d_model, hv, bias=False) if output_gate else None
+        self.out_proj = nn.Linear(hv, d_model, bias=False)
+        no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
+        self.last_cg_info: dict | None = None
+        self.reset_mixer_parameters()
+
+    def reset_mixer_parameters(self):
+        """Lambda starts at 1; gamma starts between sigmoid(3) = 0.95 and sigmoid(6) = 0.9975 across heads, so
+        heads begin with memories of different lengths."""
+        with torch.no_grad():
+            self.lam_raw.fill_(math.log(math.expm1(1.0 - self.lam_floor)))
+            self.gamma_proj.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
+            self.beta_proj.bias.zero_()
+
+    def lam(self) -> torch.Tensor:
+        return self.lam_floor + F.softplus(self.lam_raw)
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log gamma, beta), [B, T, H] in fp32, the cap applied in log space."""
+        dtype = compute_dtype(x)
+        beta_pre, gamma_pre = self.beta_proj(x).to(dtype), self.gamma_proj(x).to(dtype)
+        beta = torch.sigmoid(beta_pre)
+        log_gamma = F.logsigmoid(gamma_pre)
+        if self.gamma_cap is not None:
+            log_gamma = log_gamma + torch.log1p(-(1 - self.gamma_cap) * beta ** 2)
+        return log_gamma, beta
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        B, T, _ = x.shape
+        state = state or {}
+        q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"))
+        k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"))
+        v, v_state = self.v_proj(x), None
+        if self.v_conv is not None:
+            v, v_state = self.v_conv(v, state.get("v_conv"))
+        q = F.normalize(q.view(B, T, self.n_heads, self.key_dim), dim=-1)
+        k = F.normalize(k.view(B, T, self.n_heads, self.key_dim), dim=-1)
+        v = v.view(B, T, self.n_heads, self.value_dim)
+        log_gamma, beta = self.gates(x)
+        steps = self.cg_steps if self.training or self.cg_steps_eval is None else self.cg_steps_eval
+        lam = self.lam().to(compute_dtype(x))
+        if T == 1 and "memory" in state:
+            o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
+                                             initial_state=state["memory"], return_info=True)
+        else:
+            o, memory, info = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
+                                   initial_state=state.get("memory"), chunk_size=self.chunk_size, return_info=True,
+                                   backend=self.backend)
+        self.last_cg_info = info
+        o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, -1)) if self.g_proj is not None else self.norm(o)
+        new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
+        return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    @staticmethod
+    def param_count(d_model, n_heads, head_dim, expand_v=1.0, conv_size=4, conv_v=False, output_gate=False,
+                    **_) -> int:
+        v = int(round(expand_v * head_dim))
+        hk, hv = n_heads * head_dim, n_heads * v
+        return (d_model * (2 * hk + hv) + 2 * (d_model * n_heads + n_heads) + 2 * hk * conv_size
+                + (hv * conv_size if conv_v else 0) + hk + v + (d_model * hv if output_gate else 0) + hv * d_model)

@@ -1,0 +1,76 @@
+"""mLSTM as in xLSTM 7B (Beck et al., 2025): a matrix memory with exponential input and sigmoid forget gates."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.mixers.layers import no_weight_decay
+from lm.ops import mlstm, mlstm_recurrent
+from lm.ops.common import compute_dtype
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+class MLSTM(nn.Module):
+    """xLSTM 7B mLSTM mixer. q, k (total width qk_dim_factor * d_model) and v (v_dim_factor * d_model) split
+    into n_heads; input and forget gate pre-activations per head, soft-capped (gate_soft_cap); the mLSTM cell
+    (lm.ops.mlstm); a per-head RMSNorm; an output gate sigmoid(W_o x); the output projection.
+
+    head_dim is not used: as in xLSTM 7B, the head sizes follow d_model and the dim factors.
+
+    Parameters, with QK = qk_dim_factor * d_model, V = v_dim_factor * d_model:
+        d_model * (2 QK + V)           q, k, v
+      + 2 (d_model * n_heads + n_heads) input and forget gates (with biases)
+      + d_model * V                    output gate
+      + V                              norm
+      + V * d_model                    output projection
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0,
+                 qk_dim_factor: float = 0.5, v_dim_factor: float = 1.0, gate_soft_cap: float | None = 15.0,
+                 eps: float = 1e-6, chunk_size: int = 64, backend: str = "auto"):
+        super().__init__()
+        qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
+        if qk % n_heads or v % n_heads:
+            raise ValueError(f"q/k width {qk} and v width {v} must be multiples of n_heads {n_heads}")
+        self.n_heads, self.qk_head, self.v_head = n_heads, qk // n_heads, v // n_heads
+        self.gate_soft_cap, self.eps, self.chunk_size, self.backend = gate_soft_cap, eps, chunk_size, backend
+        self.q_proj = nn.Linear(d_model, qk, bias=False)
+        self.k_proj = nn.Linear(d_model, qk, bias=False)
+        self.v_proj = nn.Linear(d_model, v, bias=False)
+        self.igate = nn.Linear(d_model, n_heads)
+        self.fgate = nn.Linear(d_model, n_heads)
+        self.ogate = nn.Linear(d_model, v, bias=False)
+        self.norm_weight = nn.Parameter(torch.ones(v))
+        self.out_proj = nn.Linear(v, d_model, bias=False)
+        no_weight_decay(self.igate.weight, self.fgate.weight)
+        self.reset_mixer_parameters()
+
+    def reset_mixer_parameters(self):
+        """xLSTM 7B: input gates start nearly shut (bias -10), forget gates open (bias 3..6 across heads)."""
+        with torch.no_grad():
+            self.igate.bias.fill_(-10.0)
+            self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
+
+    def forward(self, x: torch.Tensor, state=None):
+        B, T, _ = x.shape
+        H = self.n_heads
+        q = self.q_proj(x).view(B, T, H, self.qk_head)
+        k = self.k_proj(x).view(B, T, H, self.qk_head)
+        v = self.v_proj(x).view(B, T, H, self.v_head)
+        i_pre = soft_cap(self.igate(x).to(compute_dtype(x)), self.gate_soft_cap)
+        f_pre = soft_cap(self.fgate(x).to(compute_dtype(x)), self.gate_soft_cap)
+        if T == 1 and state is not None:
+            h, state = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state)
+        else:
+            h, state = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state, chunk_size=self.chunk_size,
+                             backend=self.backend)
+        h = F.rms_norm(h, (self.v_head,), eps=1e-6).reshape(B, T, -1) * self.norm_weight
+        return self.out_proj(h * torch.sigmoid(self.ogate(x))), state
+
+    @staticmethod
+    def param_count(d_model, n_heads, head_dim=0, qk_dim_factor=0.5, v_dim_factor=1.0, **_) -> int:
+        qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
+        return d_model * (2 * qk + v) + 2 * (d_model * n_heads + n_heads) + d_model * v + v + v * d_model

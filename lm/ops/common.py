@@ -1,0 +1,88 @@
+"""Small helpers shared by the chunkwise ops: dtype policy, padding T to a multiple of the chunk size, chunking."""
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype state and decay arithmetic runs in: float64 stays float64, everything else is float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def pad_to_chunks(x: torch.Tensor, chunk_size: int, dim: int = 1, value: float = 0.0) -> torch.Tensor:
+    """Pad `x` along `dim` (the time axis) with `value` so its length is a multiple of `chunk_size`.
+
+    Padding with zero keys/values and zero log-decay is harmless for a causal op: padded steps come after every real
+    step, add nothing to the state (k = v = 0 or beta = 0) and do not decay it (log-decay 0), so the real outputs and
+    the final state are unchanged; callers slice the padded outputs off.
+    """
+    T = x.shape[dim]
+    pad = (-T) % chunk_size
+    if pad == 0:
+        return x
+    dim = dim % x.dim()
+    # F.pad lists (left, right) pairs starting from the last dimension.
+    widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
+    return F.pad(x, widths, value=value)
+
+
+def split_chunks(x: torch.Tensor, chunk_size: int, dim: int = 1) -> torch.Tensor:
+    """Reshape the time axis `dim` of length N*C into two axes (N, C); T must already be a multiple of chunk_size."""
+    dim = dim % x.dim()
+    T = x.shape[dim]
+    if T % chunk_size:
+        raise ValueError(f"time length {T} is not a multiple of chunk_size {chunk_size}; pad_to_chunks first")
+    return x.unflatten(dim, (T // chunk_size, chunk_size))
+
+
+def to_head_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, *] -> [B, H, N, C, *] in `dtype`, zero-padding T up to a multiple of C = chunk_size.
+
+    Heads go before chunks so each (batch, head) pair is one contiguous batch of small matmuls.
+    """
+    x = pad_to_chunks(x.to(dtype), chunk_size, dim=1)
+    return split_chunks(x.transpose(1, 2), chunk_size, dim=2)
+
+
+def from_head_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """Inverse of `to_head_chunks`: [B, H, N, C, *] -> [B, T, H, *], dropping the padded steps."""
+    return x.flatten(2, 3)[:, :, :T].transpose(1, 2)
+
+
+def causal_decay(b: torch.Tensor) -> torch.Tensor:
+    """Decay matrix D[..., i, j] = exp(b_i - b_j) for i >= j and 0 above the diagonal, from cumulative log-decays b.
+
+    The difference is formed before exponentiating, so a long chunk with strong decay neither overflows nor
+    underflows to 0/0; the upper triangle is set to -inf before exp (its differences can be huge and positive, and an
+    inf there would turn into NaN in the backward pass).
+    """
+    C = b.shape[-1]
+    diff = b[..., :, None] - b[..., None, :]
+    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def check_shapes(q, k, v, initial_state, **gates) -> None:
+    """Fail early with the ops' contract shapes (q, k [B, T, H, K], v [B, T, H, V], gates [B, T, H] or None,
+    initial_state [B, H, K, V] or None) rather than deep inside an einsum."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"expected q, k [B, T, H, K] and v [B, T, H, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, T, H, K = q.shape
+    for name, gate in gates.items():
+        if gate is not None and gate.shape != (B, T, H):
+            raise ValueError(f"expected {name} [B, T, H] = {(B, T, H)}, got {tuple(gate.shape)}")
+    V = v.shape[-1]
+    if initial_state is not None and initial_state.shape != (B, H, K, V):
+        raise ValueError(f"expected initial_state [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
+
+
+def initial_state_or_zeros(
+    initial_state: torch.Tensor | None, q: torch.Tensor, V: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The state to start from, in the compute dtype: the given one, or zeros [B, H, K, V] for q [B, T, H, K]."""
+    if initial_state is not None:
+        return initial_state.to(dtype)
+    B, _, H, K = q.shape
+    return q.new_zeros(B, H, K, V, dtype=dtype)

@@ -1,0 +1,143 @@
+"""Optional GPU dispatch to flash-linear-attention (`fla`) Triton kernels.
+
+fla is imported lazily: it needs CUDA and Triton, and the pure-PyTorch ops must work without it. The glue adapts our
+conventions to fla's (checked against fla-core 0.6.0's source):
+- layout: fla also takes [B, T, H, *] (`head_first` defaults to False from fla 0.2 on and is rejected by 0.6);
+- gates: `g` is the per-step log-decay, which fla cumsums itself;
+- scale: fla's default is 1/sqrt(K), so ours is always passed;
+- beta: simple_gla has none, so it is folded into the keys;
+- the final state [B, H, K, V] is only returned with `output_final_state=True`.
+"""
+
+import functools
+import inspect
+import warnings
+
+import torch
+
+BACKENDS = ("auto", "torch", "fla")
+
+# fla's kernels are written for half precision; its delta-rule entry points assert that the inputs are not float32.
+_FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether flash-linear-attention (and Triton) import; cached, since a failed import is slow to retry."""
+    try:
+        import fla.ops.delta_rule  # noqa: F401
+        import fla.ops.gated_delta_rule  # noqa: F401
+        import fla.ops.simple_gla  # noqa: F401
+    except Exception:  # ImportError, or a Triton/driver error raised at import time on machines without a GPU
+        return False
+    return True
+
+
+def use_fla(backend: str, *tensors: torch.Tensor | None, op: str) -> bool:
+    """Resolve `backend` for `op`: True to call fla, False for the pure-PyTorch code.
+
+    "torch" never uses fla; "fla" always does and raises if it cannot; "auto" uses fla only for CUDA tensors in
+    bf16/fp16 when fla imports (float32/float64 inputs go to the exact torch code, which fla's delta-rule kernels
+    would reject anyway).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
+    if backend == "fla":
+        if not on_cuda:
+            raise RuntimeError(f"{op}: backend='fla' needs CUDA tensors; use backend='torch' (or 'auto') on CPU")
+        if not fla_available():
+            raise ImportError(
+                f"{op}: backend='fla' needs flash-linear-attention; install it with `pip install -e .[gpu]` "
+                "(or `pip install flash-linear-attention`), or use backend='torch'"
+            )
+        return True
+    return on_cuda and tensors[0].dtype in _FLA_DTYPES and fla_available()
+
+
+def _layout_kwargs(fn) -> dict:
+    """`head_first=False` for old fla versions whose default was head-first [B, H, T, *]; nothing for newer ones.
+
+    Recent fla versions raise if `head_first` is passed at all, so it is only passed when the signature has it with a
+    default other than False.
+    """
+    try:
+        param = inspect.signature(fn).parameters.get("head_first")
+    except (TypeError, ValueError):
+        return {}
+    if param is not None and param.default is not False:
+        return {"head_first": False}
+    return {}
+
+
+def _call(fn, **kwargs):
+    """Call an fla entry point, silencing its layout heuristic (it warns when T < H, which is normal for decoding)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Input tensor shape suggests")
+        return fn(**kwargs, **_layout_kwargs(fn))
+
+
+def _initial_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
+    return None if initial_state is None else initial_state.float()
+
+
+def fla_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor | None,
+    scale: float,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_attention` through fla.ops.simple_gla.chunk_simple_gla (head-wise scalar decay `g` = log_gamma)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    if beta is not None:
+        # beta_t k_t v_t^T = (beta_t k_t) v_t^T, and the query side never sees beta, so folding it into k is exact.
+        k = k.float() * beta.float()[..., None]
+    out, state = _call(
+        chunk_simple_gla,
+        q=q,
+        k=k.to(q.dtype),  # fla's kernels expect q, k, v in one dtype
+        v=v.to(q.dtype),
+        g=log_gamma.float(),
+        scale=float(scale),
+        initial_state=_initial_state(initial_state),
+        output_final_state=True,
+    )
+    return out.to(q.dtype), state.float()
+
+
+def fla_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_alpha: torch.Tensor | None,
+    scale: float,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule` through fla's chunk_delta_rule (log_alpha None) or chunk_gated_delta_rule (g = log_alpha)."""
+    if q.dtype not in _FLA_DTYPES:
+        raise TypeError(f"delta_rule: fla's kernels need bf16/fp16 inputs, got {q.dtype}; use backend='torch'")
+    common = dict(
+        q=q,
+        k=k.to(q.dtype),
+        v=v.to(q.dtype),
+        beta=beta.to(q.dtype),
+        scale=float(scale),
+        initial_state=_initial_state(initial_state),
+        output_final_state=True,
+    )
+    if log_alpha is None:
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        out, state = _call(chunk_delta_rule, **common)
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        out, state = _call(chunk_gated_delta_rule, g=log_alpha.float(), **common)
+    return out.to(q.dtype), state.float()

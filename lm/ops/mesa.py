@@ -1,0 +1,398 @@
+"""The Mesa layer of MesaNet (von Oswald et al., arXiv 2506.05233): at every step, the output of the linear
+least-squares model that best maps the keys seen so far to their values,
+
+    G_t = gamma_t G_{t-1} + beta_t v_t k_t^T        [V, K]
+    H_t = gamma_t H_{t-1} + beta_t k_t k_t^T        [K, K]
+    o_t = G_t (H_t + diag(lam))^{-1} q_t            gamma_t = exp(log_gamma_t), lam: [H, K] positive
+
+`mesa` is the chunkwise form for training. The states are never materialised per token: the linear system
+A_t x_t = q_t (A_t = H_t + diag(lam), symmetric positive definite) is solved by conjugate gradients (CG) for all
+tokens and heads at once, and every matvec H_t p_t (all t together) is a chunkwise gated-linear-attention product with
+the keys as values, i.e. `linear_attention(p, k, k, log_gamma, beta, initial_state=H_0^T)`. Its per-chunk pieces (decay
+matrices, the state entering each chunk) do not depend on p, so `_ChunkedKeyState` computes them once per solve and
+each CG step is then three batched matmuls. The readout G_t x_t is `linear_attention(x, k, v, ...)`.
+
+CG is warm-started at the Jacobi guess x_0 = q / diag(A_t) (diag(H_t) is a decayed cumulative sum of beta k^2),
+runs at most `cg_steps` steps and, with `cg_tol`, freezes each (token, head) once ||r|| <= cg_tol ||r_0||, stopping
+when all have converged. In exact arithmetic CG solves a K x K system in K steps, so cg_steps >= K gives the exact
+layer. `cg_steps=0` skips the solve and returns G_t q_t: exactly gated linear attention with query q (the paper's
+reduction of the Mesa layer to linear attention), computed by `linear_attention`, with no warm start.
+
+Backward (implicit differentiation, the forward CG is never unrolled). With x_t = A_t^{-1} q_t and o_t = G_t x_t,
+a perturbation gives dx_t = A_t^{-1}(dq_t - dA_t x_t), so for a loss with do_t = dL/do_t
+    dL = sum_t do_t . (dG_t x_t) + (G_t^T do_t) . A_t^{-1}(dq_t - dH_t x_t - dlam * x_t)
+and, A_t being symmetric, the adjoint e_t = A_t^{-1} G_t^T do_t (one more CG solve, same warm start and stopping
+rule) gives dL/dq_t = e_t and, for everything else (k, v, log_gamma, beta, lam, G_0, H_0), the gradient of the
+scalar surrogate
+    S = sum_t [do_t . (G_t xb_t) - eb_t . (H_t xb_t) - eb_t . (lam * xb_t)] + <dG_T, G_T> + <dH_T, H_T>
+with xb = x and eb = e held constant. G_t xb_t and H_t xb_t are linear_attention calls (their final states are G_T,
+H_T), so autograd through them gives those gradients; `_MesaFunction.backward` does exactly that. With a truncated
+solve (cg_steps < K, or cg_tol) this is the exact-solve gradient evaluated at the approximate x and e, not the
+derivative of the truncated iteration. (`mesa_recurrent`, for decoding, simply backpropagates through its CG steps.)
+
+Both forms solve in float32 (float64 for float64 inputs) whatever the input dtype, return the output in the input
+dtype and the state (G [B, H, V, K], H [B, H, K, K]) in the compute dtype. H_0 should be symmetric positive
+semi-definite (a state this op returned is).
+"""
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lm.ops.common import causal_decay, check_shapes, compute_dtype, from_head_chunks, to_head_chunks
+from lm.ops.fla import BACKENDS
+from lm.ops.fla_mesa import fla_mesa, fla_mesa_check
+from lm.ops.linear_attention import linear_attention
+
+MesaState = tuple[torch.Tensor, torch.Tensor]  # (G [B, H, V, K], H [B, H, K, K])
+
+
+def mesa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    cg_steps: int = 30,
+    cg_tol: float | None = None,
+    initial_state: MesaState | None = None,
+    chunk_size: int = 64,
+    return_info: bool = False,
+    backend: str = "auto",
+):
+    """Chunkwise Mesa layer.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; log_gamma, beta: [B, T, H]; lam: [H, K] (positive); initial_state: (G_0
+    [B, H, V, K], H_0 [B, H, K, K]) or None (zeros). Any T works. Returns (out [B, T, H, V] in q's dtype, (G_T, H_T)
+    in float32, or float64 for float64 inputs), and with return_info=True also an info dict of detached 0-dim
+    float32 tensors about the forward solve: "iterations" (mean CG steps over tokens and heads), "residual" and
+    "residual_max" (mean and max final relative residual ||r|| / ||r_0||; with cg_steps=0: 0 steps, residual 1).
+    cg_steps: most CG steps per token (0: plain gated linear attention with query q); cg_tol: relative residual at
+    which a token stops early (None: always cg_steps steps). The backward's adjoint solve uses both as well.
+    backend: "torch" (this code), "fla" (flash-linear-attention's chunk_mesa_net: CUDA, bf16/fp16, V == K, fixed
+    step count, no info; see lm/ops/fla_mesa.py) or "auto", which is this code: fla's solver is not the same
+    algorithm (other warm start, damped step sizes), so it is only used when asked for. With cg_steps=0 the backend is
+    passed on to `linear_attention`.
+    """
+    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"mesa: backend must be one of {BACKENDS}, got {backend!r}")
+    if cg_steps == 0:
+        return _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, chunk_size, return_info, backend)
+    if backend == "fla":
+        fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info)
+        return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
+
+    chunk_size = min(chunk_size, max(1, q.shape[1]))  # a short sequence is one chunk, not a padded one
+    G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
+    out, G, H, iterations, residual_mean, residual_max = _MesaFunction.apply(
+        q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size
+    )
+    if return_info:
+        return out, (G, H), {"iterations": iterations, "residual": residual_mean, "residual_max": residual_max}
+    return out, (G, H)
+
+
+def mesa_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    lam: torch.Tensor,
+    *,
+    cg_steps: int = 30,
+    cg_tol: float | None = None,
+    initial_state: MesaState | None = None,
+    return_info: bool = False,
+):
+    """Recurrent Mesa layer, for decoding (T=1 with a carried state): per step, update the materialised G, H of every
+    head and solve (H_t + diag(lam)) x = q_t with the same warm-started CG and stopping rule as `mesa`. Plain autograd
+    (through the CG steps). Same arguments and results as `mesa`."""
+    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol)
+    in_dtype, dtype = q.dtype, compute_dtype(q)
+    q, k, v, log_gamma, beta, lam = (x.to(dtype) for x in (q, k, v, log_gamma, beta, lam))
+    G, H = _initial_state(initial_state, q, v.shape[-1], dtype)
+    outs, iterations, residuals = [], [], []
+    for t in range(q.shape[1]):
+        gamma = log_gamma[:, t, :, None, None].exp()  # [B, H, 1, 1]
+        k_beta = k[:, t] * beta[:, t, :, None]
+        G = gamma * G + torch.einsum("bhv,bhk->bhvk", v[:, t], k_beta)
+        H = gamma * H + torch.einsum("bhk,bhl->bhkl", k_beta, k[:, t])
+        x = q[:, t]
+        if cg_steps > 0:
+            matvec = lambda p, H=H: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p
+            x0 = x / (H.diagonal(dim1=-2, dim2=-1) + lam)
+            x, used, residual = _cg(matvec, x, x0, cg_steps, cg_tol)
+            iterations.append(used)
+            residuals.append(residual)
+        outs.append(torch.einsum("bhvk,bhk->bhv", G, x))
+    out = torch.stack(outs, dim=1).to(in_dtype)
+    if not return_info:
+        return out, (G, H)
+    if cg_steps == 0:
+        return out, (G, H), _info_without_solve(q)
+    return out, (G, H), _info(torch.stack(iterations, 1), torch.stack(residuals, 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# conjugate gradients
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token dot product over the last (K) axis."""
+    return (a * b).sum(-1)
+
+
+def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None):
+    """Textbook conjugate gradients for A x = b: one independent K-dimensional SPD system per token (and head), all
+    solved in parallel. b, x0: [..., K]; matvec(p) = A p in the same layout.
+
+    Each token is masked out (alpha = 0, so x and r stay as they are) once ||r|| <= tol ||r_0||, or, with tol None,
+    once r is exactly 0 (which also keeps the divisions finite); with tol, the loop stops when every token has
+    converged. Returns (x, iterations used [...], final relative residual ||r|| / ||r_0|| [...], 0 where r_0 = 0).
+    The residual is CG's recursively updated r, which keeps shrinking below the true residual b - A x once that
+    reaches rounding level (about 1e-7 relative in float32).
+    """
+    x = x0
+    r = b - matvec(x)
+    p = r
+    rs_old = _dot(r, r)
+    rs_start = rs_old
+    threshold = 0.0 if tol is None else tol**2 * rs_start
+    active = rs_old > threshold
+    iterations = torch.zeros_like(rs_old)
+    for _ in range(steps):
+        # Checking costs a device sync per step, so only when early stopping is possible at all.
+        if tol is not None and not active.any():
+            break
+        Ap = matvec(p)
+        pAp = _dot(p, Ap)
+        ok = active & (pAp > 0)
+        alpha = torch.where(ok, rs_old / torch.where(ok, pAp, 1.0), 0.0)
+        x = x + alpha[..., None] * p
+        r = r - alpha[..., None] * Ap
+        rs_new = _dot(r, r)
+        beta = torch.where(rs_old > 0, rs_new / torch.where(rs_old > 0, rs_old, 1.0), 0.0)
+        p = r + beta[..., None] * p
+        iterations = iterations + active.to(iterations.dtype)
+        rs_old = rs_new
+        active = active & (rs_new > threshold)
+    started = rs_start > 0
+    relative = torch.where(started, rs_old / torch.where(started, rs_start, 1.0), 0.0).sqrt()
+    return x, iterations, relative
+
+
+def _info(iterations: torch.Tensor, residual: torch.Tensor) -> dict:
+    """The info dict of `return_info=True`, from per-token CG results [B, T, H]: mean iterations, and the mean and
+    max final relative residual ||r|| / ||r_0||, as detached 0-dim float tensors."""
+    residual = residual.detach()
+    return {
+        "iterations": iterations.detach().float().mean(),
+        "residual": residual.float().mean(),
+        "residual_max": residual.float().max(),
+    }
+
+
+def _info_without_solve(q: torch.Tensor) -> dict:
+    """cg_steps=0: no CG step was taken, so nothing of the starting residual was removed (relative residual 1)."""
+    zero = q.new_zeros((), dtype=torch.float32)
+    return {"iterations": zero, "residual": zero + 1, "residual_max": zero + 1}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# chunkwise form
+
+
+class _ChunkedKeyState:
+    """The key covariances H_t = gamma_t H_{t-1} + beta_t k_t k_t^T for all t, held in chunked form, so that H_t p_t
+    (for all t at once) and diag(H_t) cost a few batched matmuls and no [T, K, K] tensor is formed.
+
+    This is `linear_attention(p, k, k, log_gamma, beta, initial_state=H_0^T)` split into the parts that do not depend
+    on p (computed once here) and the part that does (`matvec`). With b_i the cumulative log-decay inside a chunk and
+    H_n the state entering chunk n:
+        H_i p_i = sum_{j<=i} exp(b_i - b_j) beta_j (p_i . k_j) k_j + exp(b_i) H_n p_i.
+    """
+
+    def __init__(self, k, log_gamma, beta, H0, chunk_size: int, dtype: torch.dtype):
+        self.k = to_head_chunks(k, chunk_size, dtype)  # [B, H, N, C, K], zero-padded tail
+        beta = to_head_chunks(beta, chunk_size, dtype)  # [B, H, N, C]
+        b = to_head_chunks(log_gamma, chunk_size, dtype).cumsum(-1)  # [B, H, N, C]
+        self.weights = causal_decay(b) * beta[..., None, :]  # exp(b_i - b_j) beta_j for j <= i: [B, H, N, C, C]
+        self.from_start = b.exp()[..., None]  # decay of the entering state up to step i: [B, H, N, C, 1]
+        # What each chunk adds, decayed to its end; then the short sequential pass over chunks.
+        k_to_end = self.k * ((b[..., -1:] - b).exp() * beta)[..., None]
+        added = torch.einsum("bhnck,bhncl->bhnkl", k_to_end, self.k)  # [B, H, N, K, K]
+        state, entering = H0.to(dtype), []
+        for n in range(self.k.shape[2]):
+            entering.append(state)
+            state = b[:, :, n, -1, None, None].exp() * state + added[:, :, n]
+        self.entering = torch.stack(entering, dim=2)  # [B, H, N, K, K]
+        self.final = state  # H_T
+
+    def matvec(self, p: torch.Tensor) -> torch.Tensor:
+        """H_t p_t for every step: p [B, H, N, C, K] -> [B, H, N, C, K]."""
+        intra = ((p @ self.k.mT) * self.weights) @ self.k
+        # Row vectors: (H p)^T = p^T H^T.
+        return intra + (p * self.from_start) @ self.entering.mT
+
+    def diagonal(self) -> torch.Tensor:
+        """diag(H_t) for every step, [B, H, N, C, K]: the same decayed sums with k_j^2 for the outer products."""
+        carried = self.from_start * self.entering.diagonal(dim1=-2, dim2=-1)[..., None, :]
+        return self.weights @ (self.k * self.k) + carried
+
+
+def _solve(H_op: _ChunkedKeyState, lam: torch.Tensor, b: torch.Tensor, steps: int, tol: float | None, chunk_size: int):
+    """Solve (H_t + diag(lam)) x_t = b_t for every token and head by warm-started CG.
+
+    b: [B, T, H, K]. Works in the chunked layout (padded tokens have b = 0 and take no step). Returns (x [B, T, H, K],
+    iterations [B, T, H], relative residual [B, T, H]).
+    """
+    T = b.shape[1]
+    lam = lam[None, :, None, None, :]  # [1, H, 1, 1, K], broadcast over batch, chunks and steps
+    b = to_head_chunks(b, chunk_size, H_op.k.dtype)
+    x0 = b / (H_op.diagonal() + lam)  # Jacobi warm start
+    x, iterations, residual = _cg(lambda p: H_op.matvec(p) + lam * p, b, x0, steps, tol)
+    unchunk = lambda t: from_head_chunks(t[..., None], T)[..., 0]
+    return from_head_chunks(x, T), unchunk(iterations), unchunk(residual)
+
+
+class _MesaFunction(torch.autograd.Function):
+    """Forward: warm-started chunkwise CG and the readout. Backward: the adjoint CG solve and the surrogate (see the
+    module docstring); the forward iterations are not unrolled, only x is kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size):
+        dtype = G0.dtype
+        H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)
+        x, iterations, residual = _solve(H_op, lam.to(dtype), q, cg_steps, cg_tol, chunk_size)
+        out, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size,
+                                    backend="torch")
+        info = _info(iterations, residual)
+        ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
+        ctx.settings = (cg_steps, cg_tol, chunk_size, q.dtype)
+        ctx.set_materialize_grads(False)
+        outputs = (out.to(q.dtype), G_T.mT.contiguous(), H_op.final, *info.values())
+        ctx.mark_non_differentiable(*outputs[3:])
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out, d_G, d_H, *_):
+        k, v, log_gamma, beta, lam, G0, H0, x = ctx.saved_tensors
+        cg_steps, cg_tol, chunk_size, q_dtype = ctx.settings
+        dtype = x.dtype
+        e = None
+        if d_out is not None:
+            # Adjoint: e_t = A_t^{-1} G_t^T do_t. G_t^T do_t is linear attention with do as query, the values as keys
+            # and the keys as values (state G_t itself, [V, K]).
+            rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0,
+                                      chunk_size=chunk_size, backend="torch")
+            H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)  # recomputed: cheap, saves memory
+            e, _, _ = _solve(H_op, lam.to(dtype), rhs, cg_steps, cg_tol, chunk_size)
+        grads = _surrogate_grads(
+            (k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G, d_H, chunk_size
+        )
+        dq = e.to(q_dtype) if e is not None and ctx.needs_input_grad[0] else None
+        return (dq, *grads, None, None, None)
+
+
+def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):
+    """Gradients w.r.t. (k, v, log_gamma, beta, lam, G0, H0) by autograd through the surrogate
+    S = do.(G x) - e.(H x) - e.(lam x) + <dG_T, G_T> + <dH_T, H_T>, with x and e constants."""
+    leaves = [t.detach().requires_grad_(needs) for t, needs in zip(inputs, needs_grad)]
+    wanted = [leaf for leaf in leaves if leaf.requires_grad]
+    if not wanted:
+        return [None] * len(leaves)
+    k, v, log_gamma, beta, lam, G0, H0 = leaves
+    dtype = x.dtype
+    terms = []
+    with torch.enable_grad():
+        if d_out is not None or d_G is not None:
+            Gx, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size,
+                                       backend="torch")
+            if d_out is not None:
+                terms.append(_dot(d_out.to(dtype), Gx).sum())
+            if d_G is not None:
+                terms.append((d_G.to(dtype) * G_T.mT).sum())
+        if e is not None or d_H is not None:
+            # H_0^T as the initial state: linear attention reads S^T p, so this gives H_t p (and the gradient w.r.t.
+            # H_0 in H_0's own orientation, should H_0 not be exactly symmetric).
+            Hx, H_T = linear_attention(x, k, k, log_gamma, beta, initial_state=H0.mT, chunk_size=chunk_size,
+                                       backend="torch")
+            if e is not None:
+                terms.append(-_dot(e, Hx).sum() - _dot(e, lam.to(dtype) * x).sum())
+            if d_H is not None:
+                terms.append((d_H.to(dtype) * H_T.mT).sum())
+        surrogate = sum(terms)
+        if not isinstance(surrogate, torch.Tensor) or not surrogate.requires_grad:
+            return [None] * len(leaves)
+        found = iter(torch.autograd.grad(surrogate, wanted, allow_unused=True))
+    return [next(found) if leaf.requires_grad else None for leaf in leaves]
+
+
+def _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, chunk_size, return_info, backend):
+    """cg_steps=0: o_t = G_t q_t, which is gated linear attention with query q (plain autograd through it). H_T is
+    still carried, so that a later call (or decoding) with cg_steps > 0 can continue from the state."""
+    dtype = compute_dtype(q)
+    G0, H0 = _initial_state(initial_state, q, v.shape[-1], dtype)
+    out, G_T = linear_attention(q, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size, backend=backend)
+    state = (G_T.mT, _final_key_state(k, log_gamma, beta, H0))
+    if return_info:
+        return out, state, _info_without_solve(q)
+    return out, state
+
+
+def _final_key_state(k, log_gamma, beta, H0):
+    """H_T = exp(sum log_gamma) H_0 + sum_s exp(sum_{u>s} log_gamma_u) beta_s k_s k_s^T, in one pass.
+
+    The decay after step s is a reverse cumulative sum of the log-decays (not total minus a forward cumsum, which
+    cancels badly in float32 for long, strongly decaying sequences); every exponent is <= 0."""
+    dtype = H0.dtype
+    log_gamma = log_gamma.to(dtype)
+    after = log_gamma.flip(1).cumsum(1).flip(1) - log_gamma  # sum_{u>s} log_gamma_u: [B, T, H]
+    k = k.to(dtype)
+    weighted = k * (after.exp() * beta.to(dtype))[..., None]
+    total = log_gamma.sum(1)[..., None, None]  # [B, H, 1, 1]
+    return total.exp() * H0 + torch.einsum("bthk,bthl->bhkl", weighted, k)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def _initial_state(initial_state: MesaState | None, q: torch.Tensor, V: int, dtype: torch.dtype) -> MesaState:
+    """(G_0, H_0) in the compute dtype: the given pair, or zeros."""
+    if initial_state is not None:
+        return initial_state[0].to(dtype), initial_state[1].to(dtype)
+    B, _, H, K = q.shape
+    return q.new_zeros(B, H, V, K, dtype=dtype), q.new_zeros(B, H, K, K, dtype=dtype)
+
+
+def _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol) -> None:
+    """Fail early with the contract's shapes and settings. lam > 0 is not checked (that would sync the device)."""
+    if beta is None:
+        raise ValueError("mesa: beta is required ([B, T, H]); pass ones for no input gate")
+    check_shapes(q, k, v, None, log_gamma=log_gamma, beta=beta)
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    if lam.shape != (H, K):
+        raise ValueError(f"expected lam [H, K] = {(H, K)}, got {tuple(lam.shape)}")
+    if initial_state is not None:
+        if len(initial_state) != 2:
+            raise ValueError("expected initial_state = (G [B, H, V, K], H [B, H, K, K])")
+        G0, H0 = initial_state
+        if G0.shape != (B, H, V, K) or H0.shape != (B, H, K, K):
+            raise ValueError(
+                f"expected initial_state (G {(B, H, V, K)}, H {(B, H, K, K)}), got "
+                f"({tuple(G0.shape)}, {tuple(H0.shape)})"
+            )
+    if not isinstance(cg_steps, int) or cg_steps < 0:
+        raise ValueError(f"cg_steps must be a non-negative int, got {cg_steps!r}")
+    if cg_tol is not None and not (cg_tol > 0 and math.isfinite(cg_tol)):
+        raise ValueError(f"cg_tol must be None or a positive number, got {cg_tol!r}")

@@ -1,0 +1,48 @@
+"""Each mixer's parameter-count formula (its docstring) equals the built module, with default and other
+options; decay parameters are excluded from weight decay; the recurrent mixers run in bf16."""
+
+import pytest
+import torch
+
+from lm.mixers import MIXERS
+from lm.model import LanguageModel, LMConfig
+from lm.param_groups import param_groups
+from lm.schedule import OptimConfig
+
+OPTIONS = {
+    "attention": [{}, {"n_kv_heads": 2}],
+    "mamba2": [{}, {"expand": 1.5, "n_groups": 2, "conv_size": 3}],
+    "mlstm": [{}, {"qk_dim_factor": 1.0, "v_dim_factor": 0.5}],
+    "deltanet": [{}, {"expand_v": 2.0, "conv_size": 2}],
+    "gated_deltanet": [{}, {"expand_v": 1.0}],
+    "mesa": [{}, {"expand_v": 2.0, "conv_v": True, "output_gate": True}],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_parameter_count_formula(name):
+    for options in OPTIONS[name]:
+        mixer = MIXERS[name](48, 4, 12, 0, **options)
+        assert MIXERS[name].param_count(48, 4, 12, **options) == sum(p.numel() for p in mixer.parameters()), options
+
+
+@pytest.mark.parametrize("name", sorted(set(MIXERS) - {"attention"}))
+def test_decay_and_gate_parameters_are_not_decayed(name):
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, head_dim=16, mixer=name))
+    groups = {g["name"]: {id(p) for p in g["params"]} for g in param_groups(model, OptimConfig())}
+    for pname, p in model.named_parameters():
+        if getattr(p, "no_weight_decay", False) or p.ndim < 2 or "embed" in pname:
+            assert id(p) in groups["no_decay"], pname
+        else:
+            assert id(p) in groups["decay"], pname
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_bf16_forward_and_backward_are_finite(name):
+    torch.manual_seed(0)
+    mixer = MIXERS[name](32, 2, 16, 0).to(torch.bfloat16)
+    x = torch.randn(2, 70, 32, dtype=torch.bfloat16, requires_grad=True)
+    y, _ = mixer(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all()

@@ -1,0 +1,377 @@
+"""lm.ops.mesa: chunkwise and recurrent Mesa layer against a per-token reference that materialises
+G_t = gamma_t G_{t-1} + beta_t v_t k_t^T and H_t = gamma_t H_{t-1} + beta_t k_t k_t^T and solves
+(H_t + diag(lam)) x_t = q_t with torch.linalg.solve; o_t = G_t x_t."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm.ops.linear_attention import linear_attention
+from lm.ops.mesa import mesa, mesa_recurrent
+
+B, H, K, V = 2, 3, 6, 5
+EXACT_STEPS = K + 6  # CG solves a K x K system in K steps in exact arithmetic; a few more absorb rounding
+
+
+def reference(q, k, v, log_gamma, beta, lam, initial_state):
+    """The layer written out token by token with an exact solve, independently of the op."""
+    G, Hs = initial_state
+    outs = []
+    for t in range(q.shape[1]):
+        gamma = log_gamma[:, t].exp()[:, :, None, None]
+        k_beta = beta[:, t, :, None] * k[:, t]
+        G = gamma * G + v[:, t, :, :, None] * k_beta[:, :, None, :]  # + beta v k^T: [B, H, V, K]
+        Hs = gamma * Hs + k_beta[:, :, :, None] * k[:, t, :, None, :]  # + beta k k^T: [B, H, K, K]
+        x = torch.linalg.solve(Hs + torch.diag_embed(lam), q[:, t, :, :, None])
+        outs.append((G @ x)[..., 0])
+    return torch.stack(outs, dim=1), (G, Hs)
+
+
+def make_inputs(T, dtype=torch.float64, seed=0, requires_grad=False, shape=(B, H, K, V)):
+    """Random inputs: beta in (0, 1), log-decay in [-1, 0], lam in [0.5, 1.5], a random state with H_0 symmetric
+    positive semi-definite."""
+    b, h, kd, vd = shape
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    M = rand(b, h, kd, kd)
+    x = dict(
+        q=rand(b, T, h, kd),
+        k=rand(b, T, h, kd),
+        v=rand(b, T, h, vd),
+        log_gamma=-torch.rand(b, T, h, generator=g, dtype=dtype),
+        beta=torch.rand(b, T, h, generator=g, dtype=dtype),
+        lam=0.5 + torch.rand(h, kd, generator=g, dtype=dtype),
+        G0=rand(b, h, vd, kd),
+        H0=M @ M.mT / kd,
+    )
+    return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+
+
+def args(x):
+    return x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], x["lam"]
+
+
+def chunkwise(x, chunk_size=16, cg_steps=EXACT_STEPS, **kw):
+    return mesa(*args(x), cg_steps=cg_steps, initial_state=(x["G0"], x["H0"]), chunk_size=chunk_size,
+                backend="torch", **kw)
+
+
+def recurrent(x, cg_steps=EXACT_STEPS, **kw):
+    return mesa_recurrent(*args(x), cg_steps=cg_steps, initial_state=(x["G0"], x["H0"]), **kw)
+
+
+def ref(x):
+    return reference(*args(x), (x["G0"], x["H0"]))
+
+
+def assert_close(a, b, tol, msg=None):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=msg)
+
+
+def realistic_inputs(T, Kd, dtype=torch.float32, seed=0, b=2, h=2):
+    """The setting of the paper: L2-normalised q and k, beta = sigmoid, gamma = sigmoid(. + 3), lam = 0.25 +
+    softplus, so lam is about 1."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
+    return dict(
+        q=F.normalize(rand(b, T, h, Kd), dim=-1),
+        k=F.normalize(rand(b, T, h, Kd), dim=-1),
+        v=rand(b, T, h, Kd),
+        log_gamma=F.logsigmoid(rand(b, T, h) + 3),
+        beta=torch.sigmoid(rand(b, T, h)),
+        lam=0.25 + F.softplus(rand(h, Kd)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# exactness
+
+
+@pytest.mark.parametrize("T,chunk_size", [(1, 16), (33, 16), (64, 16), (130, 16), (130, 64)])
+def test_chunkwise_matches_reference_float64(T, chunk_size):
+    x = make_inputs(T)
+    out, (G, Hs) = chunkwise(x, chunk_size)
+    out_ref, (G_ref, H_ref) = ref(x)
+    assert out.shape == (B, T, H, V) and G.shape == (B, H, V, K) and Hs.shape == (B, H, K, K)
+    assert out.dtype == G.dtype == Hs.dtype == torch.float64
+    assert_close(out, out_ref, 1e-8)
+    assert_close(G, G_ref, 1e-8)
+    assert_close(Hs, H_ref, 1e-8)
+
+
+@pytest.mark.parametrize("T", [1, 33])
+def test_recurrent_matches_reference_float64(T):
+    x = make_inputs(T)
+    out, (G, Hs) = recurrent(x)
+    out_ref, (G_ref, H_ref) = ref(x)
+    assert_close(out, out_ref, 1e-8)
+    assert_close(G, G_ref, 1e-8)
+    assert_close(Hs, H_ref, 1e-8)
+
+
+def test_zero_initial_state_is_default():
+    x = make_inputs(40)
+    x["G0"], x["H0"] = torch.zeros_like(x["G0"]), torch.zeros_like(x["H0"])
+    out, (G, Hs) = mesa(*args(x), cg_steps=EXACT_STEPS, chunk_size=16)
+    out_ref, (G_ref, H_ref) = ref(x)
+    assert_close(out, out_ref, 1e-8)
+    assert_close(G, G_ref, 1e-12)
+    assert_close(Hs, H_ref, 1e-12)
+    out_rec, _ = mesa_recurrent(*args(x), cg_steps=EXACT_STEPS)
+    assert_close(out_rec, out_ref, 1e-8)
+
+
+def test_cg_steps_zero_is_linear_attention_with_query_q():
+    x = make_inputs(45, requires_grad=True)
+    out, (G, Hs) = chunkwise(x, cg_steps=0)
+    want, S = linear_attention(x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], initial_state=x["G0"].mT,
+                               chunk_size=16, backend="torch")
+    assert_close(out, want, 1e-12)
+    assert_close(G, S.mT, 1e-12)
+    assert_close(Hs, ref(x)[1][1], 1e-10)  # H is still carried, for a later call with cg_steps > 0
+    out_rec, (G_rec, H_rec) = recurrent(x, cg_steps=0)
+    assert_close(out_rec, want, 1e-12)
+    assert_close(H_rec, Hs, 1e-10)
+    # plain autograd through linear attention: gradients flow to everything, H_0 only through the final H
+    (out.sum() + Hs.sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for n, t in x.items() if n != "lam")
+    assert x["lam"].grad is None  # no solve, so lam is unused
+
+
+def test_cg_matvec_is_linear_attention_with_keys_as_values():
+    """The CG's cached chunked operator: H_t p_t equals linear_attention(p, k, k, initial_state=H_0^T), and its
+    diagonal equals diag(H_t) of the materialised states (T not a multiple of the chunk)."""
+    from lm.ops.common import from_head_chunks, to_head_chunks
+    from lm.ops.mesa import _ChunkedKeyState
+
+    x = make_inputs(45)
+    x["H0"] = x["H0"] + 0.3 * torch.randn(B, H, K, K, dtype=torch.float64)  # not symmetric: orientation matters
+    p = torch.randn(B, 45, H, K, dtype=torch.float64)
+    op = _ChunkedKeyState(x["k"], x["log_gamma"], x["beta"], x["H0"], 16, torch.float64)
+    want, H_T = linear_attention(p, x["k"], x["k"], x["log_gamma"], x["beta"], initial_state=x["H0"].mT,
+                                 chunk_size=16, backend="torch")
+    assert_close(from_head_chunks(op.matvec(to_head_chunks(p, 16, torch.float64)), 45), want, 1e-12)
+    assert_close(op.final, H_T.mT, 1e-12)
+    Hs, diags = x["H0"], []
+    for t in range(45):
+        Hs = x["log_gamma"][:, t].exp()[..., None, None] * Hs + x["beta"][:, t, :, None, None] * (
+            x["k"][:, t, :, :, None] * x["k"][:, t, :, None, :])
+        diags.append(Hs.diagonal(dim1=-2, dim2=-1))
+    assert_close(from_head_chunks(op.diagonal(), 45), torch.stack(diags, 1), 1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gradients (implicit differentiation)
+
+
+@pytest.mark.parametrize("T,chunk_size,loss_on", [(33, 16, "both"), (70, 64, "both"), (20, 16, "out"),
+                                                  (20, 16, "state")])
+def test_gradients_match_reference(T, chunk_size, loss_on):
+    x = make_inputs(T, requires_grad=True)
+    g = torch.Generator().manual_seed(1)
+    w = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((B, T, H, V), (B, H, V, K), (B, H, K, K))]
+
+    def loss(res):
+        out, (G, Hs) = res
+        terms = {"out": (out * w[0]).sum(), "state": (G * w[1]).sum() + (Hs * w[2]).sum()}
+        return terms[loss_on] if loss_on in terms else sum(terms.values())
+
+    inputs = list(x.values())
+    grads = torch.autograd.grad(loss(chunkwise(x, chunk_size)), inputs, allow_unused=True)
+    grads_ref = torch.autograd.grad(loss(ref(x)), inputs, allow_unused=True)
+    for name, a, b in zip(x, grads, grads_ref):
+        if b is None:  # e.g. q, lam with a loss on the states only
+            assert a is None or a.abs().max() == 0, name
+            continue
+        assert_close(a, b, 1e-6, msg=f"gradient w.r.t. {name}")
+    if T > 40:
+        return
+    # the recurrent form (plain autograd through its CG steps) agrees too
+    grads_rec = torch.autograd.grad(loss(recurrent(x)), inputs, allow_unused=True)
+    for name, a, b in zip(x, grads_rec, grads_ref):
+        if b is not None:
+            assert_close(a, b, 1e-6, msg=f"recurrent gradient w.r.t. {name}")
+
+
+def test_gradcheck():
+    """torch.autograd.gradcheck of the custom backward on a small case (H_0 built symmetric from a free matrix, so
+    that the finite differences stay on symmetric H_0, where the layer is defined)."""
+    x = make_inputs(5, shape=(1, 1, 3, 2), seed=3, requires_grad=True)
+    M = torch.randn(1, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, log_gamma, beta, lam, G0, M):
+        out, (G, Hs) = mesa(q, k, v, log_gamma, beta, lam, cg_steps=20, initial_state=(G0, M @ M.mT), chunk_size=2,
+                            backend="torch")
+        return out, G, Hs
+
+    inputs = (*args(x), x["G0"], M)
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# forms, state passing, tolerance
+
+
+@pytest.mark.parametrize("T", [17, 70])
+def test_recurrent_equals_chunkwise(T):
+    x = make_inputs(T, seed=2)
+    out, (G, Hs) = chunkwise(x)
+    out_rec, (G_rec, H_rec) = recurrent(x)
+    assert_close(out_rec, out, 1e-8)
+    assert_close(G_rec, G, 1e-10)
+    assert_close(H_rec, Hs, 1e-10)
+
+
+def test_split_sequence_with_carried_state_equals_one_call():
+    x = make_inputs(100, seed=4)
+    out, (G, Hs) = chunkwise(x)
+    seq = ("q", "k", "v", "log_gamma", "beta")
+    first = dict(x, **{n: x[n][:, :37] for n in seq})
+    out1, (G1, H1) = chunkwise(first)
+    second = dict(x, G0=G1, H0=H1, **{n: x[n][:, 37:] for n in seq})
+    out2, (G2, H2) = chunkwise(second)
+    assert_close(torch.cat([out1, out2], dim=1), out, 1e-8)
+    assert_close(G2, G, 1e-10)
+    assert_close(H2, Hs, 1e-10)
+    # decoding: one step at a time with the recurrent form, continuing from the chunkwise state
+    step = dict(x, G0=G1, H0=H1, **{n: x[n][:, 37:39] for n in seq})
+    out_step, _ = recurrent(step)
+    assert_close(out_step, out[:, 37:39], 1e-8)
+
+
+def test_tolerance_saves_iterations_at_small_error():
+    """cg_tol=1e-4 against 30 steps without a tolerance (converged in float32: relative residual < 1e-10) in the
+    paper's setting, K=64, T=256. Stopping at ||r|| <= tol ||r_0|| leaves an error in x of at most
+    tol ||r_0|| / lam_min(A) per token, i.e. a relative error of about cond(A) * tol, with cond(A) = O(10) here (lam
+    ~ 1, L2-normalised keys, gamma ~ 0.95): measured about 1.5e-5 relative (RMS) at 11.5 mean steps, so 1e-3
+    leaves room for other seeds while still catching a solver that stops too early."""
+    x = realistic_inputs(T=256, Kd=64)
+    out30, _, info30 = mesa(*x.values(), cg_steps=30, return_info=True)
+    out, _, info = mesa(*x.values(), cg_steps=30, cg_tol=1e-4, return_info=True)
+    err = ((out - out30).norm() / out30.norm()).item()
+    err_max = ((out - out30).abs().max() / out30.abs().max()).item()
+    print(f"\ncg_tol=1e-4: mean CG iterations {info['iterations'].item():.2f} (30 without tol), relative error vs 30 "
+          f"steps {err:.2e} (max-abs relative {err_max:.2e}); residual mean {info['residual'].item():.2e} max "
+          f"{info['residual_max'].item():.2e}; 30 steps: residual max {info30['residual_max'].item():.1e}")
+    assert info30["iterations"] == 30 and info30["residual_max"] < 1e-6
+    assert info["iterations"] < 20
+    assert info["residual_max"] <= 1e-4
+    assert err < 1e-3 and err_max < 1e-3
+    # the recurrent form stops by the same rule
+    cut = {n: t[:1, :64] for n, t in x.items() if n != "lam"}
+    _, _, info_c = mesa(*cut.values(), x["lam"], cg_steps=30, cg_tol=1e-4, return_info=True)
+    _, _, info_r = mesa_recurrent(*cut.values(), x["lam"], cg_steps=30, cg_tol=1e-4, return_info=True)
+    assert abs(info_c["iterations"] - info_r["iterations"]) < 0.05
+
+
+@pytest.mark.parametrize("cg_tol", [None, 1e-3])
+def test_return_info(cg_tol):
+    x = make_inputs(50)
+    for *_, info in (chunkwise(x, cg_steps=4, cg_tol=cg_tol, return_info=True),
+                     recurrent(x, cg_steps=4, cg_tol=cg_tol, return_info=True)):
+        assert set(info) == {"iterations", "residual", "residual_max"}
+        assert all(isinstance(t, torch.Tensor) and t.dim() == 0 and not t.requires_grad for t in info.values())
+        assert 0 < info["iterations"] <= 4
+        assert torch.isfinite(info["residual"]) and 0 <= info["residual"] <= info["residual_max"]
+    _, _, info0 = chunkwise(x, cg_steps=0, return_info=True)
+    assert info0["iterations"] == 0 and info0["residual"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# robustness and dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_repeated_token_near_one_gates_stays_finite(dtype):
+    """T=2048 starting with 500 copies of one key, beta = 0.999 and gamma = 0.9999: H_t grows to ~500 k k^T next to
+    lam ~ 1, cond(A) ~ 1e3 at step 500; later steps decay it only slowly."""
+    T, b, h, kd = 2048, 1, 2, 16
+    x = realistic_inputs(T, kd, torch.float32, seed=5, b=b, h=h)
+    x["k"][:, :500] = x["k"][:, :1]
+    x["beta"] = torch.full((b, T, h), 0.999)
+    x["log_gamma"] = torch.full((b, T, h), 0.9999).log()
+    exact, _ = mesa(*(t.double() for t in x.values()), cg_steps=40)
+    x = {n: (t.to(dtype) if n != "lam" else t).requires_grad_() for n, t in x.items()}
+    out, (G, Hs), info = mesa(*x.values(), cg_steps=30, return_info=True)
+    assert out.dtype == dtype and G.dtype == Hs.dtype == torch.float32
+    assert torch.isfinite(out.float()).all() and torch.isfinite(G).all() and torch.isfinite(Hs).all()
+    assert torch.isfinite(info["residual_max"])
+    if dtype == torch.float32:  # measured 4e-6
+        assert (out.double() - exact).norm() / exact.norm() < 1e-4
+    (out.float().square().mean() + G.square().mean() + Hs.mean()).backward()
+    for name, t in x.items():
+        assert torch.isfinite(t.grad.float()).all(), name
+
+
+def test_bfloat16_inputs_match_float32():
+    x = realistic_inputs(T=100, Kd=16, seed=6)
+    out32, (G32, H32) = mesa(*x.values(), chunk_size=32)
+    x16 = {n: t.bfloat16() for n, t in x.items()}
+    out, (G, Hs) = mesa(*x16.values(), chunk_size=32)
+    rec, (G_rec, _) = mesa_recurrent(*x16.values())
+    assert out.dtype == rec.dtype == torch.bfloat16 and G.dtype == Hs.dtype == torch.float32
+    for a, b in ((out, out32), (rec, out32), (G, G32), (Hs, H32), (G_rec, G32)):
+        err = (a.float() - b).norm() / b.norm()
+        assert err < 3e-2, err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# arguments and backends
+
+
+def test_argument_checks():
+    x = make_inputs(5, torch.float32)
+    with pytest.raises(ValueError, match="lam"):
+        mesa(*args(x)[:5], x["lam"][:, :2])
+    with pytest.raises(ValueError, match="initial_state"):
+        mesa(*args(x), initial_state=(x["G0"], x["H0"][..., :2]))
+    with pytest.raises(ValueError, match="cg_steps"):
+        mesa(*args(x), cg_steps=-1)
+    with pytest.raises(ValueError, match="cg_tol"):
+        mesa(*args(x), cg_tol=0.0)
+    with pytest.raises(ValueError, match="backend"):
+        mesa(*args(x), backend="cuda")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mesa(*args(x), backend="fla")
+    # "auto" is the torch code (on CPU, and on GPU too: see mesa's docstring)
+    torch.testing.assert_close(mesa(*args(x))[0], mesa(*args(x), backend="torch")[0])
+
+
+def test_fla_glue_with_a_fake_fla(monkeypatch):
+    """The fla adapter (argument names, G stored transposed as h_kv, float32 gates and states, the returned tuple),
+    run against a stand-in for fla.ops.mesa_net.chunk_mesa_net that follows the semantics of fla's source (its
+    naive.py: h_kv += beta k v^T, o = h_kv^T x), since fla needs a GPU."""
+    from lm.ops.fla_mesa import fla_mesa
+
+    calls = []
+
+    def chunk_mesa_net(q, k, v, g, beta, lamb, h_kk_init=None, h_kv_init=None, output_final_state=False,
+                       max_CG_iteration=30, use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+        assert g.dtype == beta.dtype == lamb.dtype == h_kk_init.dtype == h_kv_init.dtype == torch.float32
+        assert h_kv_init.shape == (q.shape[0], q.shape[2], k.shape[-1], v.shape[-1]) and not use_qk_l2norm_in_kernel
+        calls.append(max_CG_iteration)
+        h_kk, h_kv = h_kk_init, h_kv_init
+        outs = []
+        for t in range(q.shape[1]):
+            decay = g[:, t, :, None, None].exp()
+            k_beta = k[:, t].float() * beta[:, t, :, None]
+            h_kk = decay * h_kk + k_beta[..., :, None] * k[:, t, :, None, :].float()
+            h_kv = decay * h_kv + k_beta[..., :, None] * v[:, t, :, None, :].float()
+            x = torch.linalg.solve(h_kk + torch.diag_embed(lamb), q[:, t].float()[..., None])
+            outs.append((h_kv.mT @ x)[..., 0])
+        return torch.stack(outs, 1).to(q.dtype), h_kk, h_kv
+
+    fake = types.ModuleType("fla.ops.mesa_net")
+    fake.chunk_mesa_net = chunk_mesa_net
+    monkeypatch.setitem(sys.modules, "fla.ops.mesa_net", fake)
+    x = make_inputs(20, torch.float32, shape=(B, H, K, K))
+    out, (G, Hs) = fla_mesa(*args(x), 7, (x["G0"], x["H0"]))
+    assert calls == [7]
+    out_ref, (G_ref, H_ref) = chunkwise(x)
+    assert G.shape == (B, H, K, K) and Hs.shape == (B, H, K, K)
+    assert_close(out, out_ref, 1e-4)
+    assert_close(G, G_ref, 1e-5)
+    assert_close(Hs, H_ref, 1e-5)

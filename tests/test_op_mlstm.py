@@ -1,0 +1,250 @@
+"""lm.ops.mlstm: chunkwise and recurrent forms against a per-token reference of the unstabilised mLSTM
+C_t = f_t C_{t-1} + exp(i_t) k_t v_t^T, n_t = f_t n_{t-1} + exp(i_t) k_t, h_t = C_t^T q^_t / max(|n_t^T q^_t|, 1)."""
+
+import math
+
+import pytest
+import torch
+
+from lm.ops.mlstm import mlstm, mlstm_recurrent
+
+B, H, K, V = 2, 3, 5, 7
+
+
+def reference(q, k, v, i_pre, f_pre, C, n):
+    """The unstabilised recurrence token by token, from the formulas (not the op's stabilised loop).
+
+    C, n: the unstabilised initial state. Returns (h [B, T, H, V], (C, n))."""
+    outs = []
+    for t in range(q.shape[1]):
+        f = torch.sigmoid(f_pre[:, t])[:, :, None]  # [B, H, 1]
+        i = torch.exp(i_pre[:, t])[:, :, None]
+        C = f[..., None] * C + i[..., None] * k[:, t, :, :, None] * v[:, t, :, None, :]
+        n = f * n + i * k[:, t]
+        q_hat = q[:, t] / math.sqrt(q.shape[-1])
+        num = (C * q_hat[..., None]).sum(-2)  # C^T q^
+        den = (n * q_hat).sum(-1).abs().clamp(min=1.0)  # max(|n^T q^|, 1)
+        outs.append(num / den[..., None])
+    return torch.stack(outs, dim=1), (C, n)
+
+
+def make_inputs(T, dtype=torch.float64, seed=0, requires_grad=False, i_scale=2.0):
+    """Inputs with gates in a realistic range (forget gates mostly near 1, input gates spanning several e-folds, so
+    the stabiliser is exercised) and a random initial state in stabilised form (C~, n~, m)."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)
+    x = dict(
+        q=rand(B, T, H, K),
+        k=rand(B, T, H, K),
+        v=rand(B, T, H, V),
+        i_pre=i_scale * rand(B, T, H),
+        f_pre=2.0 + 1.5 * rand(B, T, H),
+        C=rand(B, H, K, V),
+        n=rand(B, H, K),
+        m=rand(B, H),
+    )
+    return {name: t.requires_grad_(requires_grad) for name, t in x.items()}
+
+
+def args(x):
+    return x["q"], x["k"], x["v"], x["i_pre"], x["f_pre"]
+
+
+def state(x):
+    return x["C"], x["n"], x["m"]
+
+
+def chunkwise(x, chunk_size=16, eps=0.0, **kw):
+    return mlstm(*args(x), eps=eps, initial_state=state(x), chunk_size=chunk_size, backend="torch", **kw)
+
+
+def recurrent(x, eps=0.0):
+    return mlstm_recurrent(*args(x), eps=eps, initial_state=state(x))
+
+
+def ref(x):
+    m = x["m"].exp()
+    return reference(*args(x), x["C"] * m[..., None, None], x["n"] * m[..., None])
+
+
+def unstabilised(s):
+    """(C~, n~, m) -> (C, n): m itself may legitimately differ between forms, what the state stands for may not."""
+    C, n, m = s
+    return C * m.exp()[..., None, None], n * m.exp()[..., None]
+
+
+def assert_close(a, b, tol):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def relative_close(a, b, tol):
+    """Close relative to the largest magnitude in b (entries far below it carry no information in float32)."""
+    a, b = a.detach(), b.detach()
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("T, chunk_size", [(1, 16), (17, 16), (64, 16), (65, 16), (200, 16), (200, 64)])
+def test_chunkwise_matches_reference(T, chunk_size):
+    x = make_inputs(T)
+    out, final = chunkwise(x, chunk_size)
+    ref_out, ref_final = ref(x)
+    assert out.shape == (B, T, H, V) and out.dtype == torch.float64
+    assert [tuple(s.shape) for s in final] == [(B, H, K, V), (B, H, K), (B, H)]
+    assert_close(out, ref_out, 1e-10)
+    for got, want in zip(unstabilised(final), ref_final):
+        assert_close(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 17, 65])
+def test_recurrent_matches_reference(T):
+    x = make_inputs(T, seed=1)
+    out, final = recurrent(x)
+    ref_out, ref_final = ref(x)
+    assert_close(out, ref_out, 1e-10)
+    for got, want in zip(unstabilised(final), ref_final):
+        assert_close(got, want, 1e-10)
+
+
+def test_zero_initial_state_is_none():
+    x = make_inputs(40)
+    zeros = (
+        torch.zeros(B, H, K, V, dtype=torch.float64),
+        torch.zeros(B, H, K, dtype=torch.float64),
+        torch.zeros(B, H, dtype=torch.float64),
+    )
+    out, final = mlstm(*args(x), chunk_size=16, backend="torch")
+    out0, final0 = mlstm(*args(x), initial_state=zeros, chunk_size=16, backend="torch")
+    rec, rec_final = mlstm_recurrent(*args(x))
+    assert_close(out, out0, 1e-12)
+    assert_close(out, rec, 1e-10)
+    for a, b, c in zip(final, final0, rec_final):
+        assert_close(a, b, 1e-12)
+        assert_close(a, c, 1e-10)
+
+
+@pytest.mark.parametrize("T, chunk_size", [(1, 64), (200, 64), (200, 16)])
+def test_chunkwise_matches_recurrent_float32(T, chunk_size):
+    x = make_inputs(T, dtype=torch.float32, seed=2)
+    out, final = chunkwise(x, chunk_size, eps=1e-6)
+    rec, rec_final = recurrent(x, eps=1e-6)
+    assert out.dtype == torch.float32 and all(s.dtype == torch.float32 for s in final)
+    assert_close(out, rec, 1e-5)
+    for got, want in zip(final, rec_final):  # same m recursion, so the stabilised states agree directly
+        assert_close(got, want, 1e-5)
+
+
+def test_eps_changes_output_by_about_eps():
+    """h = C^T q^ / (max(|n^T q^|, 1) + eps exp(m)): a relative change of at most eps exp(m) per step."""
+    x = make_inputs(130, seed=3, i_scale=1.0)
+    exact, _ = chunkwise(x, eps=0.0)
+    guarded, _ = chunkwise(x, eps=1e-6)
+    rel = ((guarded - exact).abs() / exact.abs().clamp(min=1e-3)).max().item()
+    assert 0 < rel < 1e-4
+
+
+@pytest.mark.parametrize("form", ["chunkwise", "recurrent"])
+def test_gradients_match_reference(form):
+    """Gradients w.r.t. every input and the initial state, through the outputs and the (unstabilised) final state."""
+    x = make_inputs(37, seed=4, requires_grad=True)
+    g = torch.Generator().manual_seed(5)
+    w_out, w_C, w_n = (
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in [(B, 37, H, V), (B, H, K, V), (B, H, K)]
+    )
+
+    def loss(out, C, n):
+        return (out * w_out).sum() + (C * w_C).sum() + (n * w_n).sum()
+
+    out, final = chunkwise(x) if form == "chunkwise" else recurrent(x)
+    got = torch.autograd.grad(loss(out, *unstabilised(final)), list(x.values()))
+    ref_out, ref_final = ref(x)
+    want = torch.autograd.grad(loss(ref_out, *ref_final), list(x.values()))
+    for name, a, b in zip(x, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"d/d{name}: {m}")
+
+
+def test_split_with_carried_state_matches_one_call():
+    """Prefill in uneven pieces (chunkwise), then decode token by token (recurrent): same as one call, eps included."""
+    x = make_inputs(90, seed=6)
+    whole, whole_final = mlstm(*args(x), initial_state=state(x), chunk_size=16, backend="torch")
+    s, outs = state(x), []
+    for lo, hi in [(0, 33), (33, 34), (34, 80)]:
+        out, s = mlstm(*(t[:, lo:hi] for t in args(x)), initial_state=s, chunk_size=16, backend="torch")
+        outs.append(out)
+    for t in range(80, 90):
+        out, s = mlstm_recurrent(*(a[:, t : t + 1] for a in args(x)), initial_state=s)
+        outs.append(out)
+    assert_close(torch.cat(outs, dim=1), whole, 1e-10)
+    for got, want in zip(s, whole_final):
+        assert_close(got, want, 1e-10)
+
+
+def test_extreme_gates_stay_finite_float32():
+    """i_pre up to 1e3 and f_pre down to -1e3: exp(i_pre) and log(sigmoid(f_pre)) would overflow / give -inf."""
+    T = 150
+    x = make_inputs(T, dtype=torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x["i_pre"] = 1e3 * (2 * torch.rand(B, T, H, generator=g) - 1)
+    x["i_pre"][:, ::7] = 1e3
+    x["f_pre"] = 1e3 * (2 * torch.rand(B, T, H, generator=g) - 1)
+    x["f_pre"][:, 3::5] = -1e3
+    for t in x.values():
+        t.requires_grad_(True)
+    out, final = chunkwise(x, 64, eps=1e-6)
+    rec, rec_final = recurrent(x, eps=1e-6)
+    assert torch.isfinite(out).all() and all(torch.isfinite(s).all() for s in final)
+    relative_close(out, rec, 1e-4)
+    for got, want in zip(final, rec_final):
+        relative_close(got, want, 1e-4)
+    grads = torch.autograd.grad(out.sum() + sum(s.sum() for s in final[:2]), list(x.values()))
+    assert all(torch.isfinite(gr).all() for gr in grads)
+
+
+def test_bfloat16_inputs():
+    x = make_inputs(100, dtype=torch.float32, seed=9)
+    x = {name: t.bfloat16() if name in ("q", "k", "v", "i_pre", "f_pre") else t for name, t in x.items()}
+    out, final = chunkwise(x, 32, eps=1e-6)
+    assert out.dtype == torch.bfloat16 and all(s.dtype == torch.float32 for s in final)
+    x32 = {name: t.float() for name, t in x.items()}
+    want, want_final = chunkwise(x32, 32, eps=1e-6)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)  # only the final cast rounds
+    for got, w in zip(final, want_final):
+        torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)  # the state never leaves float32
+    rec, _ = mlstm_recurrent(*args(x), initial_state=state(x))
+    assert rec.dtype == torch.bfloat16
+
+
+def test_backend_and_shape_checks():
+    x = make_inputs(8)
+    with pytest.raises(ValueError, match="backend"):
+        mlstm(*args(x), backend="cuda")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mlstm(*args(x), backend="mlstm_kernels")
+    out, _ = mlstm(*args(x), backend="auto")  # CPU: falls back to torch
+    assert out.shape == (B, 8, H, V)
+    with pytest.raises(ValueError, match="initial_state"):
+        mlstm(*args(x), initial_state=(x["C"], x["n"]))
+    with pytest.raises(ValueError):
+        mlstm(x["q"], x["k"], x["v"], x["i_pre"][:, :, :1], x["f_pre"])
+
+
+def test_matches_mlstm_kernels_native_code():
+    """Same conventions (q / sqrt(K), max(|n~ . q^|, exp(-m)) + eps, state (C~, n~, m)) as mlstm_kernels' own PyTorch
+    chunkwise code, which documents its Triton kernels. Skipped where mlstm_kernels is not installed."""
+    kernels = pytest.importorskip("mlstm_kernels.torch")
+    native = kernels.get_mlstm_kernel("chunkwise--native_autograd")
+    x = make_inputs(64, seed=10, requires_grad=True)
+    heads_first = lambda t: t.transpose(1, 2)
+    q, k, v, i_pre, f_pre = (heads_first(t) for t in args(x))
+    out, (C, n, m) = native(
+        q=q, k=k, v=v, i=i_pre, f=f_pre, c_initial=x["C"], n_initial=x["n"], m_initial=x["m"][..., None],
+        return_last_states=True, eps=0.0, chunk_size=16,
+    )  # fmt: skip
+    want, want_final = chunkwise(x)
+    assert_close(heads_first(out), want, 1e-10)
+    for got, ref_ in zip((C, n, m.squeeze(-1)), want_final):
+        assert_close(got, ref_, 1e-10)
+    w = torch.randn_like(want)
+    got = torch.autograd.grad((heads_first(out) * w).sum(), list(x.values()))
+    ref_grads = torch.autograd.grad((want * w).sum(), list(x.values()))
+    for a, b in zip(got, ref_grads):
+        assert_close(a, b, 1e-9)

@@ -1,0 +1,86 @@
+"""GPU only: flash-linear-attention's kernels (backend="fla") against the pure-PyTorch ops (backend="torch") in bf16,
+with an initial state, the final state and gradients. Skipped without CUDA or without fla."""
+
+import pytest
+import torch
+
+from lm.ops.delta_rule import delta_rule
+from lm.ops.fla import fla_available
+from lm.ops.linear_attention import linear_attention
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not fla_available(), reason="needs CUDA and flash-linear-attention"
+)
+
+B, T, H, K, V = 2, 200, 4, 64, 64  # T not a multiple of fla's chunk size of 64
+SCALE = K**-0.5
+
+
+def err_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error, the measure fla's own tests use for half-precision kernels."""
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / (b.pow(2).mean().sqrt() + 1e-12)).item()
+
+
+def make_inputs(gated_decay: bool, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda")
+    x = dict(
+        q=rand(B, T, H, K).bfloat16(),
+        k=torch.nn.functional.normalize(rand(B, T, H, K), dim=-1).bfloat16(),
+        v=rand(B, T, H, V).bfloat16(),
+        beta=torch.rand(B, T, H, generator=g, device="cuda").bfloat16(),
+        log_decay=torch.nn.functional.logsigmoid(rand(B, T, H) + 3) if gated_decay else None,  # float32
+        initial_state=rand(B, H, K, V) * 0.1,  # float32
+    )
+    return {n: t if t is None else t.requires_grad_() for n, t in x.items()}
+
+
+def run_and_grads(op, x: dict, backend: str):
+    """Output, final state and the gradients of a random projection of both, w.r.t. every input."""
+    out, state = op(x, backend)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    g = torch.Generator(device="cuda").manual_seed(1)
+    loss = (out.float() * torch.randn(out.shape, generator=g, device="cuda")).sum()
+    loss = loss + (state * torch.randn(state.shape, generator=g, device="cuda")).sum()
+    inputs = {n: t for n, t in x.items() if t is not None}
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    return out, state, dict(zip(inputs, grads))
+
+
+def check_against_torch(op, x: dict, tol: float = 2e-2):
+    out, state, grads = run_and_grads(op, x, "fla")
+    out_ref, state_ref, grads_ref = run_and_grads(op, x, "torch")
+    assert err_ratio(out, out_ref) < tol
+    assert err_ratio(state, state_ref) < tol
+    for name in grads_ref:
+        assert err_ratio(grads[name], grads_ref[name]) < tol, name
+
+
+def _linear_attention(x, backend):
+    return linear_attention(
+        x["q"], x["k"], x["v"], x["log_decay"], x["beta"], SCALE, initial_state=x["initial_state"], backend=backend
+    )
+
+
+def _delta_rule(x, backend):
+    return delta_rule(
+        x["q"], x["k"], x["v"], x["beta"], x["log_decay"], SCALE, initial_state=x["initial_state"], backend=backend
+    )
+
+
+def test_linear_attention_fla_matches_torch():
+    check_against_torch(_linear_attention, make_inputs(gated_decay=True))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated_deltanet", "deltanet"])
+def test_delta_rule_fla_matches_torch(gated):
+    check_against_torch(_delta_rule, make_inputs(gated_decay=gated))
+
+
+def test_auto_uses_fla_for_cuda_bf16():
+    from lm.ops.fla import use_fla
+
+    x = make_inputs(gated_decay=True)
+    assert use_fla("auto", x["q"], op="test")
+    assert not use_fla("auto", x["q"].float(), op="test")  # float32 stays on the exact torch path
