@@ -5,8 +5,8 @@ random inputs in the ranges the module feeds it. Timings are forward + backward.
 RSS during one chunkwise forward + backward, each (mixer, T) in a fresh process (CPU, Linux).
 
 Mesa gets one row per CG step count (and one with early stopping at a tolerance), each compared with gated_deltanet
-at the same (d_model, n_heads, head_dim); its recurrent form (a CG solve per step) is timed only at the mixer's
-default step count and short lengths.
+at the same (d_model, n_heads, head_dim); its recurrent form (a CG solve per step, by far the slowest loop) is timed
+only at the mixer's default step count and up to mesa_recurrent_max_len.
 """
 
 import gc
@@ -42,10 +42,11 @@ OPS = {  # op name: (chunkwise, recurrent)
     "mesa": (mesa, mesa_recurrent),
 }
 MESA_CG_STEPS = inspect.signature(Mesa).parameters["cg_steps"].default  # the mixer's default (30)
-# mesa_recurrent runs up to 30 CG steps per token in a Python loop: one forward + backward at T = 512 (d_model 256,
-# 4 heads, head_dim 64) took 54 s on the 2-core CPU of docs/performance.md, so T = 2048 would take over a minute (4x
-# the steps) and the default run times it only up to T = 512.
-MESA_RECURRENT_MAX_LEN = 512
+# mesa_recurrent runs up to 30 CG steps per token in a Python loop, much the slowest recurrent form: one forward +
+# backward (d_model 256, 4 heads, head_dim 64) took 7.4 s at T = 512 and 34 s at T = 2048 on the quiet 2-core CPU
+# of docs/performance.md (several times that while other processes ran). The default run affords that (one call there,
+# see best_ms); longer T only with a larger mesa_recurrent_max_len.
+MESA_RECURRENT_MAX_LEN = 2048
 
 
 class MesaCall:

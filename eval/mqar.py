@@ -49,6 +49,23 @@ def accuracy(model: LanguageModel, inputs: torch.Tensor, targets: torch.Tensor) 
     return (logits.argmax(-1)[scored] == targets[scored]).float().mean().item()
 
 
+def state_floats(model: LanguageModel, length: int) -> int:
+    """Numbers the model carries per sequence after `length` tokens, all layers (recurrent memories, conv buffers,
+    or attention's KV cache, which grows with the length)."""
+    with torch.no_grad():
+        _, state = model(torch.zeros(1, length, dtype=torch.long))
+    tensors, stack = [], [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            tensors.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(t.numel() for t in tensors)
+
+
 def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_layers: int = 2, n_heads: int = 2,
                head_dim: int = 32, steps: int = 400, batch: int = 64, lr: float = 3e-3, seed: int = 0,
                mixer_options: dict | None = None, eval_batches: int = 4) -> dict:
@@ -75,7 +92,7 @@ def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_lay
     model.eval()
     acc = sum(accuracy(model, *mqar_batch(task, batch, test)) for _ in range(eval_batches)) / eval_batches
     return {"mixer": mixer, "accuracy": acc, "final_loss": loss.item(), "params": model.num_params(),
-            "steps": steps, "seconds": time.perf_counter() - start}
+            "state_floats": state_floats(model, task.seq_len), "steps": steps, "seconds": time.perf_counter() - start}
 
 
 # Training steps per mixer for the default task (each a minute or less on 2 CPU cores). Attention needs an
@@ -107,10 +124,10 @@ def mqar_table(mixers: list[str] = list(STEPS),  # noqa: B006
     rows = [train_mqar(m, task, d_model=d_model, n_heads=n_heads, head_dim=head_dim, steps=steps or STEPS.get(m, 1000),
                        batch=batch, lr=lr, seed=seed) for m in mixers]
     print(f"MQAR: vocab {vocab}, {pairs} pairs, length {task.seq_len}, 2 layers, d {d_model}, batch {batch}, lr {lr}")
-    print("| mixer | params | steps | accuracy | final loss | seconds |\n|---|---|---|---|---|---|")
+    print("| mixer | params | state floats | steps | accuracy | final loss | seconds |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mixer']} | {r['params']:,} | {r['steps']} | {r['accuracy']:.1%} | {r['final_loss']:.3f} "
-              f"| {r['seconds']:.0f} |")
+        print(f"| {r['mixer']} | {r['params']:,} | {r['state_floats']:,} | {r['steps']} | {r['accuracy']:.1%} "
+              f"| {r['final_loss']:.3f} | {r['seconds']:.0f} |")
     if json_out:
         import json
 

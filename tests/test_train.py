@@ -167,3 +167,16 @@ def test_perplexity_by_position_and_generation(straight, capsys):
     assert 1 < result["ppl"] < 512  # better than uniform over the vocabulary after 8 steps
     text = generate_text(str(straight), prompt="And God said", max_new_tokens=10, seed=1)
     assert text.startswith("And God said") and len(text) > len("And God said")
+
+
+def test_mesa_run_logs_cg_iterations_and_residual(kjv_data, tmp_path):
+    run_dir = tmp_path / "mesa"
+    run(config_file(tmp_path, kjv_data, run_dir, max_steps=2, val_every=2, ckpt_every=2), "--model.mixer", "mesa",
+        "--model.mixer_options", "{mesa: {cg_steps: 8, cg_steps_eval: 4, cg_tol: 1.0e-3}}")
+    with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    train_its = [float(r["train/cg_iterations"]) for r in rows if r.get("train/cg_iterations")]
+    val_its = [float(r["val/cg_iterations"]) for r in rows if r.get("val/cg_iterations")]
+    assert train_its and all(0 < i <= 8 for i in train_its)
+    assert val_its and all(0 < i <= 4 for i in val_its)  # evaluation uses its own step count
+    assert all(0 <= float(r["train/cg_residual"]) < 1 for r in rows if r.get("train/cg_residual"))
