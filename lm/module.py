@@ -41,7 +41,7 @@ class LMModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = next_token_loss(self.model, batch)
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/ppl", math.exp(min(loss.item(), 50.0)))
+        self.log("train/ppl", torch.exp(loss.detach().clamp(max=50.0)))  # no host sync
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         for key, value in cg_stats(self.model).items():
             self.log(f"train/{key}", value)
