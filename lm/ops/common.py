@@ -9,6 +9,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def effective_chunk_size(chunk_size: int, T: int) -> int:
+    """The chunk length to use for a sequence of T steps: a short sequence is one chunk rather than a padded one."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return min(chunk_size, max(1, T))
+
+
 def pad_to_chunks(x: torch.Tensor, chunk_size: int, dim: int = 1, value: float = 0.0) -> torch.Tensor:
     """Pad `x` along `dim` (the time axis) with `value` so its length is a multiple of `chunk_size`.
 

@@ -27,6 +27,7 @@ from lm.ops.common import (
     causal_decay,
     check_shapes,
     compute_dtype,
+    effective_chunk_size,
     from_head_chunks,
     initial_state_or_zeros,
     to_head_chunks,
@@ -57,9 +58,7 @@ def delta_rule(
     check_shapes(q, k, v, initial_state, beta=beta, log_alpha=log_alpha)
     if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule"):
         return fla_delta_rule(q, k, v, beta, log_alpha, scale, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    chunk_size = min(chunk_size, max(1, q.shape[1]))  # a short sequence is one chunk, not a padded one
+    chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     return _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, chunk_size)
 
 

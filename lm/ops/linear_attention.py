@@ -17,6 +17,7 @@ from lm.ops.common import (
     causal_decay,
     check_shapes,
     compute_dtype,
+    effective_chunk_size,
     from_head_chunks,
     initial_state_or_zeros,
     to_head_chunks,
@@ -47,9 +48,7 @@ def linear_attention(
     check_shapes(q, k, v, initial_state, log_gamma=log_gamma, beta=beta)
     if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention"):
         return fla_linear_attention(q, k, v, log_gamma, beta, scale, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    chunk_size = min(chunk_size, max(1, q.shape[1]))  # a short sequence is one chunk, not a padded one
+    chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     return _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size)
 
 

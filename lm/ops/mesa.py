@@ -40,7 +40,14 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from lm.ops.common import causal_decay, check_shapes, compute_dtype, from_head_chunks, to_head_chunks
+from lm.ops.common import (
+    causal_decay,
+    check_shapes,
+    compute_dtype,
+    effective_chunk_size,
+    from_head_chunks,
+    to_head_chunks,
+)
 from lm.ops.fla import BACKENDS
 from lm.ops.fla_mesa import fla_mesa, fla_mesa_check
 from lm.ops.linear_attention import linear_attention
@@ -78,8 +85,7 @@ def mesa(
     passed on to `linear_attention`.
     """
     _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     if backend not in BACKENDS:
         raise ValueError(f"mesa: backend must be one of {BACKENDS}, got {backend!r}")
     if cg_steps == 0:
@@ -88,7 +94,6 @@ def mesa(
         fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info)
         return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
 
-    chunk_size = min(chunk_size, max(1, q.shape[1]))  # a short sequence is one chunk, not a padded one
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     out, G, H, iterations, residual_mean, residual_max = _MesaFunction.apply(
         q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size

@@ -29,7 +29,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lm.ops.common import check_shapes, compute_dtype, from_head_chunks, pad_to_chunks, split_chunks, to_head_chunks
+from lm.ops.common import (
+    check_shapes,
+    compute_dtype,
+    effective_chunk_size,
+    from_head_chunks,
+    pad_to_chunks,
+    split_chunks,
+    to_head_chunks,
+)
 
 MLSTMState = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (C~ [B, H, K, V], n~ [B, H, K], m [B, H])
 
@@ -62,12 +70,10 @@ def mlstm(
     else torch).
     """
     _check_inputs(q, k, v, i_pre, f_pre, initial_state)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    torch_chunk_size = effective_chunk_size(chunk_size, q.shape[1])  # the kernel takes the asked-for size
     if _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size):
         return _mlstm_kernels_chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size)
-    chunk_size = min(chunk_size, max(1, q.shape[1]))  # a short sequence is one chunk, not a padded one
-    return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size)
+    return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, torch_chunk_size)
 
 
 def mlstm_recurrent(
