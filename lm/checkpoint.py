@@ -1,75 +1,164 @@
-"""Checkpoints that are complete or absent: written to a temporary file and renamed; found by step."""
+"""Checkpoints that are complete or absent, whatever the strategy wrote (a file, or a directory of shards).
 
+Every rank writes into `step=N.ckpt.tmp`; once all have finished, rank 0 records what was written
+(`lm-checkpoint.json` in a directory), flushes it to disk and renames it to `step=N.ckpt`. So a checkpoint under
+its final name was complete when written; `checkpoint_problem` checks that it still is before a resume uses it.
+"""
+
+import json
 import os
 import re
+import sys
+import zipfile
 from pathlib import Path
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-STEP_FILE = re.compile(r"^step=(\d+)\.ckpt$")
+from lm.errors import UserError
+
+STEP_NAME = re.compile(r"^step=(\d+)\.ckpt$")
+CONTENTS = "lm-checkpoint.json"
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """torch.save to `path.tmp`, fsync, then rename: a crash leaves the previous checkpoints intact."""
-
-    def save_checkpoint(self, checkpoint, path, storage_options=None):
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
+def _fsync_tree(path: Path) -> None:
+    for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+        with open(file, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+
+
+def _write_contents(directory: Path) -> None:
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+    (directory / CONTENTS).write_text(json.dumps({"files": files}, indent=1))
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Keeps the newest `keep_last` checkpoints `step=NNNNNNNN.ckpt`, every `every` steps and at the end."""
+    """Keeps the newest `keep_last` checkpoints `step=NNNNNNNN.ckpt`, every `every` steps and at the end;
+    each is written under a temporary name and renamed once every rank has finished."""
 
     def __init__(self, dirpath: str, every: int, keep_last: int):
         super().__init__(dirpath=dirpath, filename="step={step:08d}", auto_insert_metric_name=False,
-                         every_n_train_steps=every, save_top_k=keep_last, monitor="step", mode="max")
+                         every_n_train_steps=every, save_top_k=keep_last, monitor="step", mode="max",
+                         enable_version_counter=False)  # a step saved again replaces its old (damaged) copy
+
+    def _save_checkpoint(self, trainer, filepath):
+        final, tmp = Path(filepath), Path(str(filepath) + ".tmp")
+        if trainer.is_global_zero:
+            _remove(tmp)  # left by a crash
+        trainer.strategy.barrier()
+        trainer.save_checkpoint(tmp, self.save_weights_only)  # ends with a barrier: every rank has written
+        if trainer.is_global_zero:
+            if tmp.is_dir():
+                _write_contents(tmp)
+            _fsync_tree(tmp)
+            _remove(final)  # a checkpoint of the same step saved again
+            os.replace(tmp, final)
+        trainer.strategy.barrier()
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = str(final)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+    def save_now(self, trainer) -> None:
+        """Checkpoint the current step (a graceful stop), keeping `keep_last`."""
+        if self._last_global_step_saved != trainer.global_step:
+            self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_train_end(self, trainer, pl_module):
         if not self._should_skip_saving_checkpoint(trainer):  # the last step, unless `every` divided it
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
-def newest_checkpoint(directory: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `directory`, or None (temporary files are ignored)."""
-    steps = [(int(m.group(1)), p) for p in Path(directory).glob("step=*.ckpt") if (m := STEP_FILE.match(p.name))]
-    return max(steps)[1] if steps else None
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
-def load_model(path: str | Path, map_location: str = "cpu"):
-    """(LanguageModel in eval mode, hyperparameters) from a Lightning checkpoint written by `lm train`."""
-    from lm.errors import UserError
-    from lm.model import LanguageModel, LMConfig
-
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used (None if it looks whole): a file must be a readable torch zip;
+    a directory must hold every file its lm-checkpoint.json lists, at the recorded sizes."""
     path = Path(path)
-    if path.is_dir():  # a run directory: its newest checkpoint
-        found = newest_checkpoint(path / "checkpoints") or newest_checkpoint(path)
-        if found is None:
-            raise UserError(f"no checkpoint in {path}")
-        path = found
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} not found")
+    if path.is_file():
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.namelist()
+        except (zipfile.BadZipFile, OSError) as err:
+            return f"{path} is not a readable checkpoint ({err})"
+        return None
+    if not path.is_dir():
+        return f"{path} not found"
+    contents = path / CONTENTS
+    if not contents.is_file():
+        return f"{path} is incomplete (no {CONTENTS})"
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:
-        raise UserError(f"cannot read checkpoint {path}: {' '.join(str(err).split())[:200]}") from None
-    hparams = checkpoint["hyper_parameters"]
-    model = LanguageModel(LMConfig(**hparams["model"]))
-    prefix = "model."
-    model.load_state_dict({k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)})
-    return model.eval(), hparams
+        files = json.loads(contents.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        return f"{contents} is unreadable ({err})"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{path} is missing {name}"
+        if file.stat().st_size != size:
+            return f"{path}: {name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def step_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoints `step=N.ckpt` in `directory`, newest first (temporary ones are ignored)."""
+    found = [(int(m.group(1)), p) for p in Path(directory).glob("step=*.ckpt") if (m := STEP_NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest_checkpoint(directory: str | Path, warn: bool = True) -> Path | None:
+    """The newest usable checkpoint in `directory`; damaged newer ones are skipped with a warning on stderr."""
+    for path in step_checkpoints(directory):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        if warn:
+            print(f"lm: warning: skipping checkpoint {problem}", file=sys.stderr)
+    return None
+
+
+def require_usable(path: str | Path) -> Path:
+    """`path` if it is a usable checkpoint, else a UserError saying why."""
+    problem = checkpoint_problem(path)
+    if problem:
+        raise UserError(f"checkpoint {problem}")
+    return Path(path)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
     """The run directory holding a checkpoint (run_dir/checkpoints/step=N.ckpt) or the directory itself."""
     path = Path(checkpoint)
-    if path.is_dir():
+    if path.is_dir() and not STEP_NAME.match(path.name):
         return path
     return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint path, or a run directory's newest checkpoint."""
+    path = Path(path)
+    if path.is_dir() and not STEP_NAME.match(path.name) and not (path / CONTENTS).exists():
+        found = newest_checkpoint(path / "checkpoints") or newest_checkpoint(path)
+        if found is None:
+            raise UserError(f"no checkpoint in {path}")
+        return found
+    if not path.exists():
+        raise UserError(f"checkpoint {path} not found")
+    return require_usable(path)
+
+
+def load_model(path: str | Path, map_location: str = "cpu"):
+    """(LanguageModel in eval mode, hyperparameters) from a checkpoint of any strategy, or a run directory."""
+    from lm.consolidate import consolidate
+    from lm.model import LanguageModel, LMConfig
+
+    state_dict, hparams = consolidate(resolve_checkpoint(path))
+    model = LanguageModel(LMConfig(**hparams["model"]))
+    model.load_state_dict(state_dict)
+    return model.to(map_location).eval(), hparams

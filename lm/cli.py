@@ -9,16 +9,19 @@ from collections.abc import Callable
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.errors import UserError
+from lm.graceful_stop import STOPPED_EXIT_CODE, StoppedForRequeue
 
 # command -> "module:function"; the function's signature is the command's options.
 COMMANDS = {
     "prepare": "data_prep.prepare:prepare",
     "train": "lm.train:train_from_args",
+    "export": "lm.export:export",
     "eval ppl": "eval.ppl:evaluate_ppl",
     "eval mqar": "eval.mqar:mqar_table",
     "generate": "lm.generate:generate_text",
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
+    "bench strategies": "bench.strategy_memory:bench_strategy_memory",
     "demo": "lm.demo:demo",
 }
 
@@ -27,11 +30,13 @@ USAGE = """usage: lm COMMAND [options]   (lm COMMAND --help for its options)
 commands:
   prepare      text files or a datasets dataset -> tokenizer + token shards
   train        fit a model from a YAML config (+ overrides); reruns in the same run_dir resume
+  export       a checkpoint of any strategy -> model.safetensors + config.json (LanguageModel.from_pretrained)
   eval ppl     perplexity and per-position NLL of a checkpoint on validation shards
   eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
   generate     sample a continuation from a checkpoint
   bench train  training tokens/s and MFU
   bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length
+  bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 
@@ -81,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"lm {name}: error: {err}", file=sys.stderr)
         return 2
+    except StoppedForRequeue as stop:
+        print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
+              file=sys.stderr)
+        return STOPPED_EXIT_CODE
     except KeyboardInterrupt:
         print(f"lm {name}: interrupted", file=sys.stderr)
         return 130

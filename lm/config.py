@@ -10,6 +10,7 @@ from lm.data import DataConfig
 from lm.errors import UserError
 from lm.model import LMConfig
 from lm.schedule import OptimConfig
+from lm.strategy import StrategyConfig
 
 
 @dataclass
@@ -18,16 +19,14 @@ class TrainerConfig:
 
     Args:
         max_steps: Optimizer steps of the whole run (the schedule's length).
-        accumulate: Micro-batches per optimizer step.
+        accumulate: Micro-batches per optimizer step; None: from data.global_batch and the world size (given
+            with a global batch, it is checked).
         val_every: Validate every this many optimizer steps.
         ckpt_every: Checkpoint every this many optimizer steps (and at the end).
         keep_last: Checkpoints kept; older ones are deleted once a newer one is complete.
         log_every: Log every this many optimizer steps.
-        accelerator: "auto", "cpu" or "gpu".
-        devices: Devices per node ("auto" or a count).
-        num_nodes: Nodes.
-        strategy: Lightning strategy name ("auto", "ddp", ...).
-        precision: Lightning precision; None picks bf16-mixed on GPU and 32-true on CPU.
+        activation_checkpointing: Recompute each block in the backward pass (less memory, ~1/3 more compute).
+        compile: torch.compile each block.
         progress_bar: Show Lightning's progress bar.
         peak_flops: Peak FLOP/s of one device, for MFU (None: no MFU logged).
         wandb: Also log to Weights & Biases.
@@ -36,16 +35,13 @@ class TrainerConfig:
     """
 
     max_steps: int = 1000
-    accumulate: int = 1
+    accumulate: int | None = None
     val_every: int = 200
     ckpt_every: int = 200
     keep_last: int = 3
     log_every: int = 10
-    accelerator: str = "auto"
-    devices: int | str = 1
-    num_nodes: int = 1
-    strategy: str = "auto"
-    precision: str | None = None
+    activation_checkpointing: bool = False
+    compile: bool = False
     progress_bar: bool = True
     peak_flops: float | None = None
     wandb: bool = False
@@ -61,6 +57,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     run_dir: str = "runs/default"
     seed: int = 0
 
@@ -116,5 +113,5 @@ def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
     namespace.pop("config", None)
     yaml = parser.dump(namespace, skip_none=False)
     config = RunConfig(model=run.model, data=run.data, optim=run.optim, trainer=run.trainer,
-                       run_dir=run.run_dir, seed=run.seed)
+                       strategy=run.strategy, run_dir=run.run_dir, seed=run.seed)
     return config, resume, yaml

@@ -113,6 +113,8 @@ class DataConfig:
         path: Directory written by ``lm prepare`` (manifest.json, tokenizer.json, shards).
         seq_len: Tokens per training sequence.
         micro_batch: Sequences per device per forward pass.
+        global_batch: Sequences per optimizer step over all devices (None: micro_batch x accumulate x world).
+        global_batch_tokens: The same in tokens (a multiple of seq_len); give either.
         num_workers: Data-loader worker processes per device.
         seed: Seed of the window order.
         val_windows: Validation windows evaluated each time (None: all of them).
@@ -122,6 +124,8 @@ class DataConfig:
     path: str = "data/prepared"
     seq_len: int = 2048
     micro_batch: int = 8
+    global_batch: int | None = None
+    global_batch_tokens: int | None = None
     num_workers: int = 1
     seed: int = 0
     val_windows: int | None = 256

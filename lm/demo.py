@@ -55,7 +55,7 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
     unigram = unigram_ppl(data)
     sample = generate_text(str(checkpoint), prompt="And God said", max_new_tokens=sample_tokens)
     steps = config.trainer.max_steps
-    tokens = steps * config.trainer.accumulate * config.data.micro_batch * config.data.seq_len
+    tokens = steps * (config.trainer.accumulate or 1) * config.data.micro_batch * config.data.seq_len
     summary = {"mixer": mixer, "steps": steps, "tokens": tokens, "val_ppl": result["ppl"], "unigram_ppl": unigram,
                "tokens_per_s": last_logged(Path(run_dir), "train/device/items_per_sec"),
                "wall_s": time.perf_counter() - start, "checkpoint": str(checkpoint)}

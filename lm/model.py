@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from lm.errors import UserError
@@ -101,6 +102,7 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, name) for i, name in enumerate(cfg.layer_mixers()))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.activation_checkpointing = False  # recompute each block in the backward pass (set for training)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -118,6 +120,22 @@ class LanguageModel(nn.Module):
             if module is not self and hasattr(module, "reset_mixer_parameters"):
                 module.reset_mixer_parameters()
 
+    @classmethod
+    def from_pretrained(cls, directory: str) -> "LanguageModel":
+        """The model `lm export` wrote to `directory` (config.json + model.safetensors), in eval mode."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        for name in ("config.json", "model.safetensors"):
+            if not (directory / name).is_file():
+                raise UserError(f"{directory / name} not found (write it with lm export)")
+        model = cls(LMConfig(**json.loads((directory / "config.json").read_text())))
+        model.load_state_dict(load_file(str(directory / "model.safetensors")))
+        return model.eval()
+
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings else n - self.embed.weight.numel()
@@ -127,8 +145,12 @@ class LanguageModel(nn.Module):
         x = self.embed(input_ids)
         state = state or [None] * len(self.blocks)
         new_state = []
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block, layer_state in zip(self.blocks, state):
-            x, layer_state = block(x, layer_state)
+            if recompute:
+                x, layer_state = torch.utils.checkpoint.checkpoint(block, x, layer_state, use_reentrant=False)
+            else:
+                x, layer_state = block(x, layer_state)
             new_state.append(layer_state)
         x = self.norm(x)
         logits = F.linear(x, self.embed.weight if self.head is None else self.head.weight)

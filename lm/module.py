@@ -29,7 +29,8 @@ def cg_stats(model: torch.nn.Module) -> dict[str, float]:
 
 
 class LMModule(L.LightningModule):
-    def __init__(self, model: LMConfig | dict, optim: OptimConfig | dict, max_steps: int):
+    def __init__(self, model: LMConfig | dict, optim: OptimConfig | dict, max_steps: int,
+                 activation_checkpointing: bool = False, compile: bool = False):
         super().__init__()
         model = LMConfig(**model) if isinstance(model, dict) else model
         optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
@@ -37,11 +38,33 @@ class LMModule(L.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
         self.model = LanguageModel(model)
+        self.model.activation_checkpointing = activation_checkpointing
+        self.compile_blocks = compile
+
+    def configure_model(self):
+        """FSDP2: one `fully_shard` per block, then the rest; torch.compile per block if asked (after sharding,
+        so compiled code sees the sharded parameters). Idempotent: Lightning may call it again."""
+        if getattr(self, "_configured", False):
+            return
+        self._configured = True
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            data_parallel = mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=data_parallel)
+            fully_shard(self.model, mesh=data_parallel)
+        if self.compile_blocks:
+            for block in self.model.blocks:
+                block.compile()
 
     def training_step(self, batch, batch_idx):
         loss = next_token_loss(self.model, batch)
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/ppl", torch.exp(loss.detach().clamp(max=50.0)))  # no host sync
+        # The loss over every rank's micro-batch (one all-reduce, no host sync), so logs compare across strategies.
+        mean_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        self.log("train/loss", mean_loss, prog_bar=True)
+        self.log("train/ppl", torch.exp(mean_loss.clamp(max=50.0)))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         for key, value in cg_stats(self.model).items():
             self.log(f"train/{key}", value)
@@ -66,9 +89,24 @@ class LMModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.deepspeed_engine is not None:
+            return  # DeepSpeed clips inside its step (gradient_clipping in its config); the norm is logged after it
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        engine = self.deepspeed_engine
+        if engine is not None and self.trainer.global_step != getattr(self, "_norm_logged_at", None):
+            self._norm_logged_at = self.trainer.global_step  # an optimizer step happened: log its norm
+            if engine.get_global_grad_norm() is not None:
+                self.log("train/grad_norm", float(engine.get_global_grad_norm()))
+
+    @property
+    def deepspeed_engine(self):
+        return getattr(self.trainer.strategy, "deepspeed_engine", None) if self._trainer else None
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["rng"] = rng_state()

@@ -1,20 +1,28 @@
 """`lm train`: a run directory, a Lightning Trainer, and an exact resume from the newest checkpoint."""
 
+import os
 import shutil
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lm.checkpoint import AtomicCheckpointIO, StepCheckpoint, newest_checkpoint
+from lm.batch import global_batch_of, resolve_accumulation
+from lm.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.config import RunConfig
+from lm.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
 from lm.data import CountConsumedWindows, TokenDataModule
 from lm.errors import UserError
 from lm.flops import train_flops_per_token
+from lm.graceful_stop import GracefulStop, StoppedForRequeue
 from lm.module import LMModule
+from lm.strategy import StrategyConfig, build_strategy
 
 
 class Throughput(ThroughputMonitor):
@@ -42,16 +50,56 @@ def check_compatible(config: RunConfig, manifest: dict) -> None:
                         f"{config.model.max_seq_len}")
 
 
-def resolve_resume(run_dir: Path, resume: str) -> str | None:
-    """The checkpoint to continue from: 'auto' (newest if any), 'last' (newest, required) or a path."""
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to continue from: 'auto' (newest usable one if any), 'last' (the same, required) or a path."""
     if resume in ("auto", "last"):
         newest = newest_checkpoint(run_dir / "checkpoints")
         if newest is None and resume == "last":
-            raise UserError(f"--resume last: no checkpoint in {run_dir / 'checkpoints'}")
-        return str(newest) if newest else None
-    if not Path(resume).is_file():
+            raise UserError(f"--resume last: no checkpoint in {run_dir / 'checkpoints'} (or none usable)")
+        return newest
+    if not Path(resume).exists():
         raise UserError(f"--resume: checkpoint {resume} not found")
-    return resume
+    return require_usable(resume)
+
+
+def target_format(cfg: StrategyConfig) -> str:
+    return {"deepspeed": "deepspeed", "fsdp": "dcp"}.get(cfg.name, "plain")
+
+
+def resume_path(checkpoint: Path, config: RunConfig, world: int) -> str:
+    """The checkpoint as this run's strategy can load it. Native where the formats allow (a plain file into any
+    strategy but DeepSpeed, FSDP2 shards at any world size, DeepSpeed shards at the same stage and world size);
+    otherwise its weights alone, with a fresh optimizer state and a warning."""
+    source, target = checkpoint_format(checkpoint), target_format(config.strategy)
+    if source == "plain" and target != "deepspeed" or source == target == "dcp":
+        return str(checkpoint)
+    if source == target == "deepspeed":
+        if (checkpoint_world_size(checkpoint), deepspeed_stage(checkpoint)) == (world, config.strategy.zero_stage):
+            return str(checkpoint)
+    if target == "deepspeed":
+        raise UserError(f"cannot resume DeepSpeed ZeRO-{config.strategy.zero_stage} on {world} processes from "
+                        f"{checkpoint} ({source} format, {checkpoint_world_size(checkpoint) or 1} processes): use "
+                        f"the strategy and world size that wrote it, or ddp / fsdp, which can take its weights")
+    print(f"lm train: warning: {checkpoint} ({source} format) cannot carry its optimizer state into "
+          f"{config.strategy.name} on {world} processes; resuming with its weights and a fresh optimizer state",
+          file=sys.stderr)
+    return str(weights_only_checkpoint(checkpoint, config))
+
+
+def weights_only_checkpoint(checkpoint: Path, config: RunConfig) -> Path:
+    """A plain checkpoint next to `checkpoint` with its full weights, its step, data position and RNG, and a
+    fresh optimizer state. Written atomically, so ranks that convert at the same time agree."""
+    out = checkpoint.parent / "converted" / checkpoint.name
+    if out.is_file():
+        return out
+    full = full_checkpoint(checkpoint)
+    module = LMModule(config.model, config.optim, config.trainer.max_steps)
+    full["optimizer_states"] = [module.configure_optimizers()["optimizer"].state_dict()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    torch.save(full, tmp)
+    os.replace(tmp, out)
+    return out
 
 
 def write_config(run_dir: Path, yaml: str) -> None:
@@ -62,10 +110,8 @@ def write_config(run_dir: Path, yaml: str) -> None:
     path.write_text(yaml)
 
 
-def build_trainer(config: RunConfig, run_dir: Path) -> L.Trainer:
-    t = config.trainer
-    on_gpu = t.accelerator == "gpu" or (t.accelerator == "auto" and torch.cuda.is_available())
-    precision = t.precision or ("bf16-mixed" if on_gpu else "32-true")
+def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, accumulate: int) -> L.Trainer:
+    t, st = config.trainer, config.strategy
     loggers = [CSVLogger(run_dir, name="logs")]
     if t.wandb:
         id_file = run_dir / "wandb_id"  # the same wandb run across resumes
@@ -76,37 +122,60 @@ def build_trainer(config: RunConfig, run_dir: Path) -> L.Trainer:
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=id_file.read_text().strip(),
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
-    callbacks = [CountConsumedWindows(),
+    callbacks = [CountConsumedWindows(), stop,
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
+    # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     return L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=t.strategy,
-        precision=precision, max_steps=t.max_steps, accumulate_grad_batches=t.accumulate,
-        val_check_interval=t.val_every * t.accumulate, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        log_every_n_steps=t.log_every, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+        accelerator=st.accelerator, devices=st.devices, num_nodes=st.num_nodes,
+        strategy=build_strategy(st, config.optim.grad_clip, config.data.micro_batch),
+        precision=st.resolved_precision, max_steps=t.max_steps, accumulate_grad_batches=accumulate,
+        val_check_interval=t.val_every * accumulate, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every, logger=loggers, callbacks=callbacks, plugins=plugins,
         enable_progress_bar=t.progress_bar, default_root_dir=run_dir, enable_model_summary=False,
         # Clipping happens in LMModule.configure_gradient_clipping, which also logs the norm.
         gradient_clip_val=None)
 
 
+def batch_plan(config: RunConfig) -> tuple[int, int, int]:
+    """(world size, accumulation, global batch in sequences) from the config (lm.batch)."""
+    d = config.data
+    world = config.strategy.world_size
+    global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
+    accumulate = resolve_accumulation(global_batch, d.micro_batch, config.trainer.accumulate, world)
+    return world, accumulate, d.micro_batch * accumulate * world
+
+
 def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     """Fit the model of `config`; returns the newest checkpoint."""
+    # LMModule skips its clipping hook under DeepSpeed, which clips in its own step: Lightning's warning is moot.
+    warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
     run_dir = Path(config.run_dir)
     L.seed_everything(config.seed, workers=True, verbose=False)
     datamodule = TokenDataModule(config.data)
     check_compatible(config, datamodule.manifest)
-    ckpt = resolve_resume(run_dir, resume)
+    world, accumulate, global_batch = batch_plan(config)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = resolve_resume(run_dir, resume)
+    ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
     write_config(run_dir, yaml)
     tokenizer = Path(config.data.path) / datamodule.manifest["tokenizer"]["file"]
     if not (run_dir / "tokenizer.json").exists():
         shutil.copyfile(tokenizer, run_dir / "tokenizer.json")
-    module = LMModule(config.model, config.optim, config.trainer.max_steps)
+    module = LMModule(config.model, config.optim, config.trainer.max_steps,
+                      config.trainer.activation_checkpointing, config.trainer.compile)
     module.flops_per_batch = train_flops_per_token(config.model, config.data.seq_len) * \
         config.data.micro_batch * config.data.seq_len
-    trainer = build_trainer(config, run_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+    stop = GracefulStop()
+    trainer = build_trainer(config, run_dir, stop, accumulate)
+    if trainer.is_global_zero:
+        print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
+              f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if stop.stopped:
+        raise StoppedForRequeue(trainer.global_step)
     return newest_checkpoint(run_dir / "checkpoints")
 
 

@@ -20,7 +20,7 @@ STEPS = 8
 
 
 def config_file(tmp_path: Path, data: str, run_dir: Path, **trainer) -> Path:
-    settings = {**dict(max_steps=STEPS, val_every=4, ckpt_every=4, keep_last=2, log_every=1, accelerator="cpu",
+    settings = {**dict(max_steps=STEPS, val_every=4, ckpt_every=4, keep_last=2, log_every=1,
                        progress_bar=False), **trainer}
     path = tmp_path / f"{run_dir.name}.yaml"
     path.write_text(f"""
@@ -29,6 +29,7 @@ seed: 3
 model: {{vocab_size: 512, d_model: 64, n_layers: 2, n_heads: 2, head_dim: 32, max_seq_len: 64}}
 data: {{path: {data}, seq_len: 64, micro_batch: 4, num_workers: 1, val_windows: 8}}
 optim: {{lr: 3.0e-3, warmup_steps: 2}}
+strategy: {{accelerator: cpu}}
 trainer: {{{", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())}}}
 """)
     return path

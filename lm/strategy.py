@@ -1,0 +1,141 @@
+"""Where the run's processes go and how the model is spread over them: the `strategy` section of a run config.
+
+The same config trains on one CPU, on 2 CPU processes (tests) and on many GPUs (production): only this section
+changes. It becomes a Lightning strategy object, a precision and the Trainer's device arguments.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
+
+from lm.errors import UserError
+
+NAMES = ("auto", "single", "ddp", "deepspeed", "fsdp")
+
+
+@dataclass
+class StrategyConfig:
+    """How the model, gradients and optimizer state are spread over devices.
+
+    Args:
+        name: "auto" (one device: single; more: ddp), "single", "ddp", "deepspeed" (ZeRO) or "fsdp" (FSDP2, one
+            `fully_shard` per block, through Lightning's ModelParallelStrategy).
+        accelerator: "auto", "cpu" or "gpu".
+        devices: Processes (devices) per node, or "auto".
+        num_nodes: Nodes.
+        precision: Lightning precision; None: bf16-mixed on GPU, 32-true on CPU.
+        zero_stage: DeepSpeed ZeRO stage 1, 2 or 3.
+        offload_optimizer: DeepSpeed: keep optimizer state (and its step) on the CPU.
+        offload_params: DeepSpeed stage 3: keep parameters on the CPU.
+        deepspeed_config: A DeepSpeed JSON (see configs/deepspeed/); the settings above override its keys.
+    """
+
+    name: str = "auto"
+    accelerator: str = "auto"
+    devices: int | str = 1
+    num_nodes: int = 1
+    precision: str | None = None
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    deepspeed_config: str | None = None
+
+    def __post_init__(self):
+        if self.name not in NAMES:
+            raise UserError(f"strategy.name {self.name!r} is not one of {', '.join(NAMES)}")
+        if self.zero_stage not in (1, 2, 3):
+            raise UserError(f"strategy.zero_stage must be 1, 2 or 3, not {self.zero_stage}")
+        if self.offload_params and self.zero_stage != 3:
+            raise UserError("strategy.offload_params needs strategy.zero_stage 3")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.accelerator == "gpu" or (self.accelerator == "auto" and torch.cuda.is_available())
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: devices per node ("auto": every GPU, or one CPU process) x nodes."""
+        devices = self.devices if isinstance(self.devices, int) else \
+            (torch.cuda.device_count() if self.on_gpu else 1)
+        return devices * self.num_nodes
+
+    @property
+    def resolved_precision(self) -> str:
+        return self.precision or ("bf16-mixed" if self.on_gpu else "32-true")
+
+
+class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed on CPU processes with gloo, for tests and debugging only (production runs use GPUs).
+
+    Lightning refuses DeepSpeed without CUDA; DeepSpeed itself runs ZeRO 1-3 on CPU. This skips Lightning's
+    CUDA-only checks and gives DeepSpeed the local rank where it expects a CUDA device index.
+    """
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:  # without the check that CUDA device indices match local ranks
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        import argparse
+
+        import deepspeed
+
+        parameters = filter(lambda p: p.requires_grad, model.parameters())
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+            model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
+        return engine, ds_optimizer
+
+
+def deepspeed_settings(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int) -> dict:
+    """The DeepSpeed JSON (if any) with the config's stage, offload, precision and clipping written over it."""
+    settings = {}
+    if cfg.deepspeed_config:
+        path = Path(cfg.deepspeed_config)
+        if not path.is_file():
+            raise UserError(f"strategy.deepspeed_config: {path} not found")
+        try:
+            settings = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(f"strategy.deepspeed_config: {path} is not valid JSON ({err})") from None
+    zero = dict(settings.get("zero_optimization", {}), stage=cfg.zero_stage)
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.on_gpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cfg.on_gpu}
+    settings["zero_optimization"] = zero
+    # Lightning sets the accumulation from the Trainer; the micro-batch and clipping follow the run config.
+    settings["train_micro_batch_size_per_gpu"] = micro_batch
+    settings["gradient_clipping"] = grad_clip or 0.0
+    if cfg.resolved_precision.startswith("bf16"):
+        settings["bf16"] = {"enabled": True}
+    return settings
+
+
+def build_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int):
+    """The Lightning strategy (an object, or "auto") for the Trainer."""
+    processes = cfg.devices if isinstance(cfg.devices, int) else None
+    if cfg.name == "single" and (processes or 1) * cfg.num_nodes != 1:
+        raise UserError(f"strategy.name single needs one device, not devices={cfg.devices} x num_nodes={cfg.num_nodes}")
+    if cfg.name in ("auto", "single"):
+        return "auto"
+    backend = "nccl" if cfg.on_gpu else "gloo"
+    if cfg.name == "ddp":
+        return DDPStrategy(process_group_backend=backend)
+    if cfg.name == "fsdp":
+        if processes is None:
+            raise UserError("strategy.name fsdp needs strategy.devices as a number (processes per node)")
+        return ModelParallelStrategy(data_parallel_size=processes * cfg.num_nodes, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=True)
+    settings = deepspeed_settings(cfg, grad_clip, micro_batch)
+    strategy = DeepSpeedStrategy if cfg.on_gpu else CPUDeepSpeedStrategy
+    return strategy(config=settings, process_group_backend=backend)
