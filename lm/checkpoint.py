@@ -8,6 +8,7 @@ its final name was complete when written; `checkpoint_problem` checks that it st
 import json
 import os
 import re
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -70,8 +71,6 @@ class StepCheckpoint(ModelCheckpoint):
 
 
 def _remove(path: Path) -> None:
-    import shutil
-
     if path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
