@@ -21,14 +21,14 @@ demo: $(STAMP)
 	$(BIN)/lm demo
 
 test: $(STAMP)
-	$(BIN)/ruff check lm data_prep eval bench tests configs
+	$(BIN)/ruff check lm data_prep eval bench tests configs slurm
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check lm data_prep eval bench tests configs
+	$(BIN)/ruff check lm data_prep eval bench tests configs slurm
 
 clean:
 	rm -rf $(VENV) runs/demo

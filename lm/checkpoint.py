@@ -53,12 +53,23 @@ class StepCheckpoint(ModelCheckpoint):
             _fsync_tree(tmp)
             _remove(final)  # a checkpoint of the same step saved again
             os.replace(tmp, final)
+            self._prune(trainer.global_step)
         trainer.strategy.barrier()
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = str(final)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
+
+    def _prune(self, step: int) -> None:
+        """Keep the newest `keep_last` up to `step`. Lightning's own top-k list starts afresh at every launch, so
+        it misses checkpoints that an earlier launch wrote (a graceful stop's, say). Newer ones, left by a run
+        resumed from an older checkpoint, are not this branch's to delete."""
+        if self.save_top_k < 1:
+            return  # keep all
+        older = [p for p in step_checkpoints(self.dirpath) if int(STEP_NAME.match(p.name).group(1)) <= step]
+        for path in older[self.save_top_k:]:
+            _remove(path)
 
     def save_now(self, trainer) -> None:
         """Checkpoint the current step (a graceful stop), keeping `keep_last`."""

@@ -2,14 +2,20 @@
 `lm train`, the run config's dataclasses) via jsonargparse; bad input ends with one line on stderr and exit
 status 2."""
 
-import importlib
 import sys
+
+from lm import stop_request
+
+if sys.argv[1:2] == ["train"]:
+    stop_request.listen()  # before the heavy imports below: a preemption notice may come that early
+
+import importlib
 from collections.abc import Callable
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.errors import UserError
-from lm.graceful_stop import STOPPED_EXIT_CODE, StoppedForRequeue
+from lm.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
 
 # command -> "module:function"; the function's signature is the command's options.
 COMMANDS = {
@@ -22,8 +28,14 @@ COMMANDS = {
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
+    "slurm submit": "slurm.submit:submit_from_args",
+    "slurm status": "slurm.status:slurm_status",
     "demo": "lm.demo:demo",
 }
+# These parse their own argv (a run config, or options followed by `--` and a command).
+OWN_ARGV = {"train", "slurm submit"}
+# These take their required argument by position: `lm slurm status RUN_DIR`.
+POSITIONAL = {"slurm status"}
 
 USAGE = """usage: lm COMMAND [options]   (lm COMMAND --help for its options)
 
@@ -37,17 +49,30 @@ commands:
   bench train  training tokens/s and MFU
   bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
+  slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it
+  slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 
 
-def call_with_args(fn: Callable, argv: list[str], prog: str):
+def load_command(name: str) -> Callable:
+    module, function = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def function_parser(fn: Callable, prog: str, positional: bool = False) -> ArgumentParser:
+    """A parser of fn's signature (and --config YAML); required arguments by position if `positional`."""
+    parser = ArgumentParser(prog=prog, exit_on_error=False, description=(fn.__doc__ or "").split("\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile)
+    parser.add_function_arguments(fn, as_positional=positional)
+    return parser
+
+
+def call_with_args(fn: Callable, argv: list[str], prog: str, positional: bool = False):
     """Parse argv against fn's signature (and --config YAML), then call fn."""
     from lm.config import error_line
 
-    parser = ArgumentParser(prog=prog, exit_on_error=False, description=(fn.__doc__ or "").split("\n")[0])
-    parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(fn, as_positional=False)
+    parser = function_parser(fn, prog, positional)
     try:
         namespace = parser.parse_args(argv)
     except UserError:
@@ -78,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     try:
         name, rest = find_command(argv)
-        module, function = COMMANDS[name].split(":")
-        fn = getattr(importlib.import_module(module), function)
-        result = fn(rest) if name == "train" else call_with_args(fn, rest, f"lm {name}")
+        fn = load_command(name)
+        result = fn(rest) if name in OWN_ARGV else call_with_args(fn, rest, f"lm {name}", name in POSITIONAL)
         if name == "generate":
             print(result)
     except UserError as err:

@@ -1,8 +1,8 @@
 """Stop a run cleanly on SIGUSR1 or SIGTERM (a scheduler's preemption notice or time limit).
 
-The handler only sets a flag. After each optimizer step every rank sums the flags (one all-reduce), so all of
-them agree to stop at the same step; they write a checkpoint of that step together, the Trainer stops, and
-`lm train` exits with STOPPED_EXIT_CODE, which tells a job script to requeue rather than to give up.
+The handler (lm.stop_request) only sets a flag. After each optimizer step every rank sums the flags (one
+all-reduce), so all of them agree to stop at the same step; they write a checkpoint of that step together, the
+Trainer stops, and `lm train` exits with STOPPED_EXIT_CODE, which tells a job script to requeue rather than to give up.
 """
 
 import signal
@@ -10,39 +10,31 @@ import signal
 import lightning as L
 import torch
 
-STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, with a checkpoint; run again to continue
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-class StoppedForRequeue(Exception):
-    """`lm train` stopped on request after checkpointing; the CLI exits with STOPPED_EXIT_CODE."""
+from lm import stop_request
 
 
 class GracefulStop(L.Callback):
     def __init__(self):
-        self.requested = False
         self.stopped = False
         self._previous = {}
         self._seen_step = None
 
-    def _handle(self, signum, frame):
-        self.requested = True  # no I/O in a signal handler: the step boundary does the work
-
     def on_fit_start(self, trainer, pl_module):
         self._seen_step = trainer.global_step
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = stop_request.listen()  # again: Lightning installs its own SIGTERM handler at fit start
 
     def on_fit_end(self, trainer, pl_module):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self.stopped:
+            stop_request.clear()  # acted on; a later fit in this process starts afresh
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self._seen_step:
             return  # mid-accumulation: not an optimizer step boundary
         self._seen_step = trainer.global_step
-        flag = torch.tensor(float(self.requested), device=pl_module.device)
+        flag = torch.tensor(float(stop_request.requested()), device=pl_module.device)
         if float(trainer.strategy.reduce(flag, reduce_op="sum")) == 0:
             return
         self.stopped = True

@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from lm.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_s
 from lm.data import CountConsumedWindows, TokenDataModule
 from lm.errors import UserError
 from lm.flops import train_flops_per_token
-from lm.graceful_stop import GracefulStop, StoppedForRequeue
+from lm.graceful_stop import GracefulStop
+from lm.launch_guard import RunDirLock, check_slurm_launch
 from lm.module import LMModule
+from lm.stop_request import StoppedForRequeue
 from lm.strategy import StrategyConfig, build_strategy
 
 
@@ -37,6 +40,18 @@ class Throughput(ThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         for throughput in self._throughputs.values():
             throughput.available_flops = self.peak_flops or throughput.available_flops
+
+
+class LogSlurmRestarts(L.Callback):
+    """SLURM_RESTART_COUNT (how often the job was requeued) as a metric, so a resumed curve shows its restarts."""
+
+    def on_train_start(self, trainer, pl_module):
+        if "SLURM_JOB_ID" not in os.environ:
+            return
+        count = os.environ.get("SLURM_RESTART_COUNT", "0")  # unset before the first requeue
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({"slurm/restart_count": int(count)}, step=trainer.global_step)
 
 
 def check_compatible(config: RunConfig, manifest: dict) -> None:
@@ -110,19 +125,29 @@ def write_config(run_dir: Path, yaml: str) -> None:
     path.write_text(yaml)
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The run directory's wandb id, made once, so every resume and requeue logs to the same wandb run. Ranks
+    start together: the first to link its id into place wins and every rank reads that one."""
+    id_file = run_dir / "wandb_id"
+    if not id_file.exists():
+        tmp = run_dir / f"wandb_id.{os.getpid()}.tmp"
+        tmp.write_text(uuid.uuid4().hex[:12])
+        try:
+            os.link(tmp, id_file)
+        except FileExistsError:
+            pass
+        tmp.unlink()
+    return id_file.read_text().strip()
+
+
 def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, accumulate: int) -> L.Trainer:
     t, st = config.trainer, config.strategy
     loggers = [CSVLogger(run_dir, name="logs")]
     if t.wandb:
-        id_file = run_dir / "wandb_id"  # the same wandb run across resumes
-        if not id_file.exists():
-            import wandb
-
-            id_file.write_text(wandb.util.generate_id())
-        loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=id_file.read_text().strip(),
+        loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
-    callbacks = [CountConsumedWindows(), stop,
+    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop,
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
@@ -152,11 +177,14 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     """Fit the model of `config`; returns the newest checkpoint."""
     # LMModule skips its clipping hook under DeepSpeed, which clips in its own step: Lightning's warning is moot.
     warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
+    # Lightning's hint to use srun whenever srun exists is noise off SLURM; lm.launch_guard checks real SLURM launches.
+    warnings.filterwarnings("ignore", message="The `srun` command is available")
     run_dir = Path(config.run_dir)
     L.seed_everything(config.seed, workers=True, verbose=False)
     datamodule = TokenDataModule(config.data)
     check_compatible(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
+    check_slurm_launch(world)
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = resolve_resume(run_dir, resume)
     ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
@@ -173,6 +201,9 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     if trainer.is_global_zero:
         print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
               f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
+        if "SLURM_JOB_ID" in os.environ:
+            print(f"lm train: SLURM job {os.environ['SLURM_JOB_ID']}, restart "
+                  f"{os.environ.get('SLURM_RESTART_COUNT', 0)}", file=sys.stderr)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if stop.stopped:
         raise StoppedForRequeue(trainer.global_step)

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from lm.batch import global_batch_of, resolve_accumulation
 from lm.checkpoint import checkpoint_problem, step_checkpoints
 from lm.errors import UserError
-from lm.graceful_stop import STOPPED_EXIT_CODE
 from lm.model import LanguageModel
+from lm.stop_request import STOPPED_EXIT_CODE
 
 STRATEGIES = {
     "ddp": ["--strategy.name", "ddp", "--strategy.devices", "2"],

@@ -1,0 +1,356 @@
+"""`lm slurm` against a real one-node SLURM cluster (slurm/local_cluster.sh, which .ci/run starts): a 2-task CPU
+training job, the same job preempted with SIGUSR1 (checkpoint, requeue, resume, same final weights), an array of
+two runs, an evaluation job, and the launch guards. The rendered script for 4 nodes x 8 GPUs is checked line by
+line without a cluster."""
+
+import csv
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm.checkpoint import newest_checkpoint
+from lm.errors import UserError
+from lm.launch_guard import LOCK_NAME, check_slurm_launch
+from lm.stop_request import STOPPED_EXIT_CODE
+from slurm.submit import submit_from_args, sweep_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = ROOT / "slurm" / "local_cluster.sh"
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The local cluster's environment. In CI it must be up (.ci/run starts it); elsewhere the tests skip."""
+    conf = os.environ.get("SLURM_CONF") or str(Path(os.environ.get("LM_SLURM_DIR", "/tmp/lm-slurm")) / "slurm.conf")
+    env = {**os.environ, "SLURM_CONF": conf, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    up = subprocess.run(["bash", str(CLUSTER), "status"], env=env, capture_output=True).returncode == 0
+    if not up:
+        if os.environ.get("CI"):
+            pytest.fail("the local SLURM cluster is not running: .ci/run starts it with slurm/local_cluster.sh start")
+        pytest.skip("no local SLURM cluster: start it with slurm/local_cluster.sh start")
+    return env
+
+
+def config_file(tmp: Path, data: str, devices: int = 2, **trainer) -> Path:
+    settings = {"max_steps": STEPS, "val_every": 1000, "ckpt_every": 20, "keep_last": 2, "log_every": 1,
+                "progress_bar": "false", **trainer}
+    path = tmp / f"run-{devices}.yaml"
+    path.write_text(f"""
+seed: 3
+model: {{vocab_size: 512, d_model: 64, n_layers: 2, n_heads: 2, head_dim: 32, max_seq_len: 64}}
+data: {{path: {data}, seq_len: 64, micro_batch: {4 // devices}, global_batch: 4, num_workers: 0, val_windows: 8}}
+optim: {{lr: 3.0e-3, warmup_steps: 2}}
+trainer: {{{", ".join(f"{k}: {v}" for k, v in settings.items())}}}
+strategy: {{accelerator: cpu, name: {"ddp" if devices > 1 else "single"}, devices: {devices}}}
+""")
+    return path
+
+
+def lm(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "lm.cli", *args], env=env, capture_output=True, text=True,
+                            timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"lm {' '.join(args)} -> {result.returncode}\n{result.stderr[-3000:]}")
+    return result
+
+
+def submit(env: dict, *args: str) -> str:
+    return lm(env, "slurm", "submit", *args).stdout.strip().splitlines()[-1]
+
+
+def job_info(env: dict, job: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_until_ended(env: dict, job: str, timeout: float = 240) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        info = job_info(env, job)
+        if info.get("JobState") in ENDED:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env)
+    raise AssertionError(f"job {job} did not end within {timeout} s: {info}")
+
+
+def wait_for_a_checkpoint(run_dir: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while newest_checkpoint(run_dir / "checkpoints", warn=False) is None:
+        assert time.time() < deadline, f"no checkpoint in {run_dir} after {timeout} s"
+        time.sleep(0.1)
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    rows = []
+    for path in sorted(run_dir.glob("logs/version_*/metrics.csv")):
+        with open(path) as f:
+            rows += [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def straight(cluster, kjv_data, tmp_path_factory) -> Path:
+    """An uninterrupted 2-task job: it must complete with its checkpoint and logs in the run directory."""
+    tmp = tmp_path_factory.mktemp("slurm-straight")
+    run_dir = tmp / "run"
+    job = submit(cluster, "--", "--config", str(config_file(tmp, kjv_data)), "--run_dir", str(run_dir))
+    info = wait_until_ended(cluster, job)
+    assert info["JobState"] == "COMPLETED", (run_dir / "slurm" / f"job-{job}.err").read_text()[-3000:]
+    return run_dir
+
+
+def test_two_task_training_job_completes(straight):
+    assert newest_checkpoint(straight / "checkpoints").name == f"step={STEPS:08d}.ckpt"
+    job = (straight / "slurm" / "jobs.jsonl").read_text().split('"job": "')[1].split('"')[0]
+    out = (straight / "slurm" / f"job-{job}.out").read_text()
+    err = (straight / "slurm" / f"job-{job}.err").read_text()
+    assert f"lm slurm: job {job} restart 0" in out
+    assert "2 processes x micro_batch 2" in err and "MEMBER: 2/2" in err
+    assert [s for s, _ in logged(straight, "train/loss")][-1] == STEPS - 1
+    assert logged(straight, "slurm/restart_count") == [(0, 0.0)]
+    assert list((straight / "slurm").glob("train-*.yaml")) and (straight / "config.yaml").is_file()
+
+
+def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_weights(cluster, straight, kjv_data, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(run_dir),
+                 "--trainer.wandb", "true")
+    wait_for_a_checkpoint(run_dir)
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True)
+    info = wait_until_ended(cluster, job)
+    out = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    err = (run_dir / "slurm" / f"job-{job}.err").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, err[-3000:])
+    stopped = int(re.search(r"stopped on request at step (\d+)", err).group(1))
+    assert 0 < stopped < STEPS, "the signal must land mid-run"
+    assert "requeueing it" in out and f"lm slurm: job {job} restart 1" in out
+    assert f"Restoring states from the checkpoint path at {run_dir}/checkpoints/step={stopped:08d}.ckpt" in err
+    assert (stopped, 1.0) in logged(run_dir, "slurm/restart_count")
+    final = f"checkpoints/step={STEPS:08d}.ckpt"
+    expected, got = weights(straight / final), weights(run_dir / final)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+        [f"step={STEPS - 20:08d}.ckpt", f"step={STEPS:08d}.ckpt"]  # keep_last 2, the stop's one included
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and {p.name.rsplit("-", 1)[1] for p in wandb_runs} == \
+        {(run_dir / "wandb_id").read_text()}  # both launches log to one wandb run
+    status = lm(cluster, "slurm", "status", str(run_dir)).stdout
+    assert re.search(rf"job {job}\s+train COMPLETED\s+restarts 1", status), status
+    assert f"last logged step {STEPS - 1}; newest checkpoint step={STEPS:08d}.ckpt" in status
+
+
+def test_a_cancelled_job_is_not_requeued(cluster, kjv_data, tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit(cluster, "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(run_dir))
+    wait_for_a_checkpoint(run_dir)
+    subprocess.run(["scancel", job], env=cluster, check=True)
+    wait_until_ended(cluster, job)
+    time.sleep(3)  # a wrongly requeued job would be pending again by now
+    info = job_info(cluster, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    assert "requeueing" not in (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert newest_checkpoint(run_dir / "checkpoints") is not None
+
+
+def test_a_stop_notice_during_startup_still_ends_with_a_checkpoint(kjv_data, tmp_path):
+    """A preemption notice can come while Python is still importing torch: the run must not die of it."""
+    run_dir = tmp_path / "run"
+    config = config_file(tmp_path, kjv_data, devices=1, max_steps=50)
+    process = subprocess.Popen([sys.executable, "-m", "lm.cli", "train", "--config", str(config), "--run_dir",
+                                str(run_dir)], env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True)
+    time.sleep(0.5)  # the CLI listens from its first lines; torch and Lightning take seconds more to import
+    process.send_signal(signal.SIGUSR1)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == STOPPED_EXIT_CODE, stderr[-2000:]
+    assert "stopped on request at step 1 " in stderr
+    assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000001.ckpt"
+
+
+def test_array_of_two_configs_runs_both(cluster, kjv_data, tmp_path):
+    config = config_file(tmp_path, kjv_data, devices=1, max_steps=10, ckpt_every=10)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"""
+common: {{config: {config}}}
+runs:
+  - {{optim.lr: 1.0e-3, run_dir: {tmp_path}/lr1e-3}}
+  - {{optim.lr: 3.0e-3, run_dir: {tmp_path}/lr3e-3}}
+""")
+    job = submit(cluster, "--array", str(sweep), "--job_dir", str(tmp_path / "sweep"))
+    for task, lr in ((0, "1e-3"), (1, "3e-3")):
+        info = wait_until_ended(cluster, f"{job}_{task}")
+        run_dir = tmp_path / f"lr{lr}"
+        err = (run_dir / "slurm" / f"job-{job}_{task}.err").read_text()
+        assert info["JobState"] == "COMPLETED", err[-3000:]
+        assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000010.ckpt"
+        assert logged(run_dir, "train/lr")[-1][1] <= float(lr)
+        assert f'"job": "{job}_{task}"' in (run_dir / "slurm" / "jobs.jsonl").read_text()
+    assert "lr: 0.001" in next((tmp_path / "lr1e-3" / "slurm").glob("train-*.yaml")).read_text()
+
+
+def test_eval_job_writes_its_results_into_the_run(cluster, straight):
+    job = submit(cluster, "--kind", "eval", "--gpus_per_node", "0", "--", "ppl", "--checkpoint", str(straight),
+                 "--max_windows", "8", "--out", str(straight / "eval" / "slurm-ppl"))
+    info = wait_until_ended(cluster, job)
+    assert info["JobState"] == "COMPLETED", (straight / "slurm" / f"job-{job}.err").read_text()[-3000:]
+    assert (straight / "eval" / "slurm-ppl" / "ppl.json").is_file()
+
+
+# The guards: each ends with one clear error rather than a hang or a silent mis-launch.
+
+def test_a_run_directory_with_a_live_job_is_refused(cluster, kjv_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    args = ["--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(tmp_path / "run")]
+    held = submit_from_args(["--sbatch", "[--hold]", *args])  # pending until released: live
+    try:
+        with pytest.raises(UserError, match=f"is already being trained by live job {held} \\(PENDING\\)"):
+            submit_from_args(args)
+    finally:
+        subprocess.run(["scancel", held], env=cluster)
+
+
+@pytest.mark.parametrize("launch, message", [
+    ("--ntasks=1 --wrap='srun {lm} train --config {config} --run_dir {run}'",
+     "SLURM_NTASKS is 1 but the run needs strategy.num_nodes x strategy.devices = 2 processes"),
+    ("--ntasks=2 --wrap='{lm} train --config {config} --run_dir {run}'",
+     "lm train was started without srun"),
+])
+def test_a_mislaunched_training_job_ends_with_a_clear_error(cluster, kjv_data, tmp_path, launch, message):
+    lm_cli = f"{sys.executable} -m lm.cli"
+    args = launch.format(lm=lm_cli, config=config_file(tmp_path, kjv_data), run=tmp_path / "run")
+    log = tmp_path / "job.err"
+    out = subprocess.run(f"sbatch --parsable --chdir={ROOT} --error={log} --output=/dev/null {args}", shell=True,
+                         env=cluster, capture_output=True, text=True, check=True).stdout
+    info = wait_until_ended(cluster, out.strip())
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    assert message in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_job_script_without_srun_stops_at_once(kjv_data, tmp_path, capsys):
+    submit_from_args(["--dry-run", "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir",
+                      str(tmp_path / "run")])
+    script = capsys.readouterr().out
+    (tmp_path / "job.sh").write_text(script)
+    result = subprocess.run(["/bin/bash", str(tmp_path / "job.sh")], env={"PATH": "/nonexistent"},
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith("lm slurm: srun is not on PATH on")
+
+
+def test_a_second_live_trainer_of_a_run_directory_is_refused(kjv_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / LOCK_NAME, "a+") as lock:  # as a live run would hold it
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write('{"pid": 1234, "host": "elsewhere"}')
+        lock.flush()
+        result = lm({**os.environ, "OMP_NUM_THREADS": "1"}, "train", "--config",
+                    str(config_file(tmp_path, kjv_data, devices=1, max_steps=2)), "--run_dir", str(run_dir),
+                    check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "is being trained by another live process" in result.stderr and '"pid": 1234' in result.stderr
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+
+
+def test_slurm_task_count_checks():
+    check_slurm_launch(2, {})  # not in SLURM
+    check_slurm_launch(8, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"})
+    check_slurm_launch(1, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})  # one process in the batch script is fine
+    with pytest.raises(UserError, match="SLURM_NTASKS is 4 but the run needs"):
+        check_slurm_launch(8, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"})
+    with pytest.raises(UserError, match="without srun"):
+        check_slurm_launch(2, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"})
+
+
+def test_sweep_files_are_checked(tmp_path):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("common: {config: [a.yaml, b.yaml], trainer.max_steps: 5}\nruns:\n  - {run_dir: r1}\n"
+                     "  - {run_dir: r2, optim.lr: 1.0e-3, model.layer_pattern: [attention, mamba2]}\n")
+    assert sweep_runs(str(sweep)) == [
+        ["--config", "a.yaml", "--config", "b.yaml", "--trainer.max_steps", "5", "--run_dir", "r1"],
+        ["--config", "a.yaml", "--config", "b.yaml", "--trainer.max_steps", "5", "--run_dir", "r2",
+         "--optim.lr", "0.001", "--model.layer_pattern", "[attention, mamba2]"]]
+    sweep.write_text("runs: {a: 1}\n")
+    with pytest.raises(UserError, match="needs `runs:`"):
+        sweep_runs(str(sweep))
+    sweep.write_text("run: []\n")
+    with pytest.raises(UserError, match="needs `runs:`"):
+        sweep_runs(str(sweep))
+    with pytest.raises(UserError, match="not found"):
+        sweep_runs(str(tmp_path / "missing.yaml"))
+
+
+def test_sweep_runs_must_not_share_a_run_directory(kjv_data, tmp_path):
+    config = config_file(tmp_path, kjv_data, devices=1)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"common: {{config: {config}, run_dir: {tmp_path}/same}}\nruns:\n  - {{seed: 1}}\n"
+                     "  - {seed: 2}\n")
+    with pytest.raises(UserError, match="two runs share a run_dir"):
+        submit_from_args(["--dry-run", "--array", str(sweep)])
+
+
+def test_dry_run_for_4_nodes_of_8_gpus_renders_the_expected_script(tmp_path, monkeypatch, capsys):
+    site = tmp_path / "site.yaml"
+    site.write_text("partition: gpu\naccount: proj\nqos: high\nconstraint: h100\ncpus_per_task: 12\nmem: '0'\n"
+                    "time: '12:00:00'\nsetup: [module load cuda/12.4, source /opt/venv/bin/activate]\n"
+                    "python: python\nsbatch: [--mail-type=FAIL]\n")
+    run_dir = tmp_path / "runs" / "big"
+    monkeypatch.setenv("LM_SLURM_SITE", str(site))
+    submit_from_args(["--dry-run", "--nodes", "4", "--gpus-per-node", "8", "--time", "24:00:00", "--exclusive", "--",
+                      "--config", str(ROOT / "configs/attention/1b.yaml"), "--run_dir", str(run_dir)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=lm-big",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=12",
+        "#SBATCH --mem=0",
+        "#SBATCH --time=24:00:00",  # the command line over the site file
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=h100",
+        "#SBATCH --exclusive",
+        "#SBATCH --signal=USR1@300",
+        "#SBATCH --requeue",
+        f"#SBATCH --chdir={os.getcwd()}",
+        f"#SBATCH --output={run_dir}/slurm/job-%j.out",
+        f"#SBATCH --error={run_dir}/slurm/job-%j.err",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --mail-type=FAIL",
+    ]
+    assert lines.index("module load cuda/12.4") < lines.index("source /opt/venv/bin/activate") < \
+        next(i for i, line in enumerate(lines) if line.startswith("command -v srun"))
+    assert re.fullmatch(rf"ARGS=\(train --config {run_dir}/slurm/train-[\d-]+\.yaml --resume auto\)",
+                        next(line for line in lines if line.startswith("ARGS=")))
+    assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in lines
+    assert 'export MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"' in lines
+    assert 'srun --nodes=4 --ntasks-per-node=8 --cpus-per-task=12 python -m lm.cli "${ARGS[@]}" &' in lines
+    assert 'if [ "$status" -eq 75 ] && [ "$stop" != TERM ]; then' in lines
+    assert '    scontrol requeue "$SLURM_JOB_ID"' in lines
+    assert not run_dir.exists()  # a dry run writes nothing
+
+
+def test_bad_submit_options_end_with_one_line(tmp_path):
+    result = lm({**os.environ}, "slurm", "submit", "--nodez", "2", "--dry-run", "--", "--config", "x.yaml",
+                check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "lm slurm submit: error: unknown config key 'nodez' (did you mean 'nodes'?)"]
