@@ -74,7 +74,12 @@ class PlannedRun:
 
 
 def site_file() -> Path:
-    return Path(os.environ.get("LM_SLURM_SITE", SITE_FILE_DEFAULT)).expanduser()
+    if "LM_SLURM_SITE" in os.environ:
+        path = Path(os.environ["LM_SLURM_SITE"]).expanduser()
+        if not path.is_file():
+            raise UserError(f"LM_SLURM_SITE names {path}, which is not a file")
+        return path
+    return Path(SITE_FILE_DEFAULT).expanduser()
 
 
 def submit_parser() -> ArgumentParser:

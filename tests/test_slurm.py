@@ -354,3 +354,9 @@ def test_bad_submit_options_end_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "lm slurm submit: error: unknown config key 'nodez' (did you mean 'nodes'?)"]
+
+
+def test_a_missing_site_file_named_by_the_environment_is_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("LM_SLURM_SITE", str(tmp_path / "nowhere.yaml"))
+    with pytest.raises(UserError, match="LM_SLURM_SITE names .*nowhere.yaml, which is not a file"):
+        submit_from_args(["--dry-run", "--", "--config", "x.yaml"])
