@@ -78,8 +78,34 @@ def plot_curve(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def read_curve(path: str | Path) -> dict[int, float]:
+    """position -> NLL from a per_position.csv (or the folder holding one)."""
+    path = Path(path)
+    path = path / "per_position.csv" if path.is_dir() else path
+    if not path.is_file():
+        raise UserError(f"reference curve {path} not found (an `lm eval ppl` output folder or its per_position.csv)")
+    with open(path) as f:
+        return {int(row["position"]): float(row["nll"]) for row in csv.DictReader(f)}
+
+
+def plot_difference(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["position"] for r in rows], [r["nll_minus_reference"] for r in rows], marker=".")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(xscale="log", xlabel="position in sequence", ylabel="NLL - reference NLL (nats)", title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
-                 max_windows: int | None = None, batch_size: int = 8, out: str | None = None) -> dict:
+                 max_windows: int | None = None, batch_size: int = 8, out: str | None = None,
+                 multiples: list[int] = [1], reference: str | None = None) -> dict:  # noqa: B006
     """Perplexity of a checkpoint, overall and by position; writes ppl.json, per_position.csv and .png.
 
     Args:
@@ -89,7 +115,10 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         seq_len: Window length (default: the run's data.seq_len).
         max_windows: Evaluate at most this many windows (default: all).
         batch_size: Windows per forward pass.
-        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN).
+        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN; with several multiples, one per length).
+        multiples: Also evaluate at these multiples of seq_len ([1, 2, 4]: length extrapolation).
+        reference: Another run's `lm eval ppl` output (folder or per_position.csv) at the same length: adds the
+            per-position NLL difference to it (CSV column and per_position_vs_reference.png).
     """
     model, hparams = load_model(checkpoint)
     run_dir = run_dir_of(checkpoint)
@@ -98,22 +127,42 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
     if data is None:
         raise UserError("no data directory: pass --data")
+    if not multiples or any(m < 1 for m in multiples):
+        raise UserError(f"--multiples must be positive integers, not {multiples}")
     stream = TokenStream(data, split, verify=False)
     check_tokenizer(run_dir, data, stream.manifest, hparams["model"]["vocab_size"])
-    nll, n_windows = per_position_nll(model, ValidationWindows(stream, seq_len, max_windows), batch_size)
-    running = np.cumsum(nll) / np.arange(1, len(nll) + 1)
-    rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1])}
-            for k in log_spaced_positions(seq_len)]
-    loss = float(nll.mean())
-    result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": seq_len, "windows": n_windows,
-              "tokens": n_windows * seq_len, "loss": loss, "ppl": math.exp(loss)}
-    out_dir = Path(out) if out else run_dir / "eval" / f"ppl-{split}-T{seq_len}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ppl.json").write_text(json.dumps(result, indent=2))
-    with open(out_dir / "per_position.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["position", "nll", "running_mean"])
-        writer.writeheader()
-        writer.writerows(rows)
-    plot_curve(rows, out_dir / "per_position.png", f"{split}: ppl {result['ppl']:.2f} at T={seq_len}")
-    print(json.dumps(result))
-    return result
+    ref_curve = read_curve(reference) if reference else None
+    by_length = {}
+    for multiple in multiples:
+        length = seq_len * multiple
+        nll, n_windows = per_position_nll(model, ValidationWindows(stream, length, max_windows), batch_size)
+        running = np.cumsum(nll) / np.arange(1, len(nll) + 1)
+        rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1])}
+                for k in log_spaced_positions(length)]
+        loss = float(nll.mean())
+        result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": length,
+                  "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
+                  "ppl": math.exp(loss)}
+        name = f"ppl-{split}-T{length}"
+        out_dir = run_dir / "eval" / name if out is None else Path(out) if len(multiples) == 1 else Path(out) / name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if ref_curve is not None and multiple == multiples[0]:
+            missing = [r["position"] for r in rows if r["position"] not in ref_curve]
+            if missing:
+                raise UserError(f"reference {reference} was not evaluated at length {length} (no position "
+                                f"{missing[-1]}): evaluate both at the same --seq_len")
+            for r in rows:
+                r["nll_minus_reference"] = r["nll"] - ref_curve[r["position"]]
+            result["reference"] = str(reference)
+            plot_difference(rows, out_dir / "per_position_vs_reference.png",
+                            f"{split}, T={length}: NLL minus the reference's")
+        (out_dir / "ppl.json").write_text(json.dumps(result, indent=2))
+        with open(out_dir / "per_position.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        plot_curve(rows, out_dir / "per_position.png", f"{split}: ppl {result['ppl']:.2f} at T={length}")
+        print(json.dumps(result))
+        by_length[length] = result
+    first = by_length[seq_len * multiples[0]]
+    return {**first, "ppl_by_length": {length: r["ppl"] for length, r in by_length.items()}}

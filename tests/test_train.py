@@ -170,6 +170,26 @@ def test_perplexity_by_position_and_generation(straight, capsys):
     assert text.startswith("And God said") and len(text) > len("And God said")
 
 
+def test_perplexity_at_longer_lengths_and_against_a_reference(straight, tmp_path):
+    from eval.ppl import evaluate_ppl
+    from lm.errors import UserError
+
+    result = evaluate_ppl(str(straight), multiples=[1, 2, 4], max_windows=8, out=str(tmp_path / "own"))
+    assert sorted(result["ppl_by_length"]) == [64, 128, 256] and result["seq_len"] == 64
+    for length in (64, 128, 256):
+        rows = list(csv.DictReader(open(tmp_path / "own" / f"ppl-validation-T{length}" / "per_position.csv")))
+        assert int(rows[-1]["position"]) == length
+    # Against itself, the difference is zero everywhere; against the 2x curve, the lengths do not match.
+    again = evaluate_ppl(str(straight), max_windows=8, out=str(tmp_path / "self"),
+                         reference=str(tmp_path / "own" / "ppl-validation-T64"))
+    rows = list(csv.DictReader(open(tmp_path / "self" / "per_position.csv")))
+    assert again["reference"] and all(abs(float(r["nll_minus_reference"])) < 1e-9 for r in rows)
+    assert (tmp_path / "self" / "per_position_vs_reference.png").stat().st_size > 1000
+    with pytest.raises(UserError, match="was not evaluated at length 128"):
+        evaluate_ppl(str(straight), seq_len=128, max_windows=8, out=str(tmp_path / "x"),
+                     reference=str(tmp_path / "own" / "ppl-validation-T64"))
+
+
 def test_mesa_run_logs_cg_iterations_and_residual(kjv_data, tmp_path):
     run_dir = tmp_path / "mesa"
     run(config_file(tmp_path, kjv_data, run_dir, max_steps=2, val_every=2, ckpt_every=2), "--model.mixer", "mesa",
