@@ -25,6 +25,7 @@ COMMANDS = {
     "eval ppl": "eval.ppl:evaluate_ppl",
     "eval mqar": "eval.mqar:mqar_table",
     "eval harness": "eval.run_harness:harness",
+    "eval longctx": "eval.longctx.grid:longctx",
     "generate": "lm.generate:generate_text",
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
@@ -46,6 +47,7 @@ commands:
   export       a checkpoint of any strategy -> model.safetensors + config.json (LanguageModel.from_pretrained)
   eval ppl     perplexity and per-position NLL of a checkpoint on validation shards
   eval harness lm-evaluation-harness tasks or a suite (eval/suites: standard, recall, long) on a checkpoint
+  eval longctx long-context probes generated here (needles, variable tracking): accuracy by length x depth
   eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
   generate     sample a continuation from a checkpoint
   bench train  training tokens/s and MFU

@@ -1,0 +1,87 @@
+"""`lm eval longctx`: accuracy of a checkpoint on the local long-context probes over a grid of lengths x depths;
+grid.csv, one heatmap PNG per probe, and the examples as jsonl, in RUN_DIR/eval/longctx-HAYSTACK."""
+
+import csv
+import json
+from pathlib import Path
+
+from eval.longctx.probes import make_example, score
+
+
+def plot_grid(rows: list[dict], probe: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for r in rows:
+        grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1 + 0.5 * len(depths)))
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    ax.set(xticks=range(len(lengths)), xticklabels=lengths, yticks=range(len(depths)), yticklabels=depths,
+           xlabel="length (tokens)", ylabel="needle depth", title=probe)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def longctx(checkpoint: str, probes: list[str] = ["single", "multikey", "multivalue", "vt"],  # noqa: B006
+            lengths: list[int] = [1024, 2048, 4096, 8192, 16384, 32768],  # noqa: B006
+            depths: list[float] = [0.0, 0.25, 0.5, 0.75, 1.0],  # noqa: B006
+            samples: int = 5, haystack: str = "noise", seed: int = 0, max_new_tokens: int = 48,
+            device: str = "cpu", out: str | None = None) -> list[dict]:
+    """Long-context probes (needles, variable tracking) over lengths x depths; grid.csv and heatmaps.
+
+    Args:
+        checkpoint: A checkpoint, a run directory (its newest checkpoint) or an `lm export` directory.
+        probes: Any of single, multikey, multivalue, vt.
+        lengths: Prompt lengths in tokens.
+        depths: Depths of the asked needle (vt: of the chain's start), 0 = start of the haystack.
+        samples: Examples per cell.
+        haystack: "noise" (repeated sentences) or "corpus" (the bundled corpus's text).
+        seed: Seed of the generator; the same seed gives the same examples.
+        max_new_tokens: Tokens generated per answer.
+        device: Torch device.
+        out: Output directory (default: RUN_DIR/eval/longctx-HAYSTACK).
+    """
+    from lm_eval.api.instance import Instance
+
+    from eval.harness import LMHarness
+    from lm.checkpoint import run_dir_of
+
+    model = LMHarness(checkpoint=checkpoint, device=device, max_length=max(lengths) + max_new_tokens)
+    out_dir = Path(out) if out else run_dir_of(checkpoint) / "eval" / f"longctx-{haystack}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for probe in probes:
+        with open(out_dir / f"{probe}.jsonl", "w") as examples:
+            for length in lengths:
+                for depth in depths:
+                    cell = [make_example(probe, model.tokenizer, length, depth, seed * 1000 + i, haystack)
+                            for i in range(samples)]
+                    requests = [Instance("generate_until", {}, (e.prompt, {"until": ["\n"],
+                                                                            "max_gen_toks": max_new_tokens}), i)
+                                for i, e in enumerate(cell)]
+                    outputs = model.generate_until(requests)
+                    scores = [score(o, e.answers) for o, e in zip(outputs, cell)]
+                    for e, o, s in zip(cell, outputs, scores):
+                        examples.write(json.dumps({"length": length, "depth": depth, "prompt": e.prompt,
+                                                   "answers": e.answers, "output": o, "score": s}) + "\n")
+                    rows.append({"probe": probe, "haystack": haystack, "length": length, "depth": depth,
+                                 "accuracy": sum(scores) / len(scores), "samples": samples})
+        plot_grid([r for r in rows if r["probe"] == probe], probe, out_dir / f"grid-{probe}.png")
+    with open(out_dir / "grid.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    for probe in probes:
+        mean = [r["accuracy"] for r in rows if r["probe"] == probe]
+        print(f"{probe}: mean accuracy {sum(mean) / len(mean):.3f} over {len(mean)} cells")
+    return rows
