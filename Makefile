@@ -21,14 +21,14 @@ demo: $(STAMP)
 	$(BIN)/lm demo
 
 test: $(STAMP)
-	$(BIN)/ruff check lm data_prep eval bench tests configs slurm
+	$(BIN)/ruff check lm data_prep eval bench tests configs slurm hatch_build.py
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check lm data_prep eval bench tests configs slurm
+	$(BIN)/ruff check lm data_prep eval bench tests configs slurm hatch_build.py
 
 clean:
 	rm -rf $(VENV) runs/demo

@@ -20,19 +20,29 @@ from data_prep.tokenizer import separator
 from lm.errors import UserError
 
 
-def load_for_eval(checkpoint: str):
-    """(model, tokenizer) from a checkpoint, a run directory or an `lm export` directory."""
-    from lm.checkpoint import load_model, run_dir_of
-    from lm.model import LanguageModel
+def tokenizer_path(checkpoint: str) -> Path:
+    """tokenizer.json of an `lm export` directory, or of the run a checkpoint (or run directory) belongs to."""
+    from lm.checkpoint import run_dir_of
 
     path = Path(checkpoint)
-    if (path / "model.safetensors").is_file():
-        model, tokenizer = LanguageModel.from_pretrained(str(path)), path / "tokenizer.json"
-    else:
-        model, tokenizer = load_model(checkpoint)[0], run_dir_of(checkpoint) / "tokenizer.json"
+    if not path.exists():
+        raise UserError(f"checkpoint {checkpoint} not found")
+    tokenizer = path / "tokenizer.json" if (path / "model.safetensors").is_file() else run_dir_of(checkpoint) / \
+        "tokenizer.json"
     if not tokenizer.is_file():
         raise UserError(f"no tokenizer.json beside the checkpoint (looked for {tokenizer})")
-    return model, Tokenizer.from_file(str(tokenizer))
+    return tokenizer
+
+
+def load_for_eval(checkpoint: str):
+    """(model, tokenizer) from a checkpoint, a run directory or an `lm export` directory."""
+    from lm.checkpoint import load_model
+    from lm.model import LanguageModel
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path(checkpoint)))
+    if (Path(checkpoint) / "model.safetensors").is_file():
+        return LanguageModel.from_pretrained(checkpoint), tokenizer
+    return load_model(checkpoint)[0], tokenizer
 
 
 @register_model("lm")

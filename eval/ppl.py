@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from eval.wandb_log import log_to_run
 from lm.checkpoint import load_model, run_dir_of
 from lm.data import TokenStream, ValidationWindows
 from lm.errors import UserError
@@ -165,4 +166,5 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         print(json.dumps(result))
         by_length[length] = result
     first = by_length[seq_len * multiples[0]]
+    log_to_run(run_dir, f"ppl-{split}", {f"ppl_T{length}": r["ppl"] for length, r in by_length.items()})
     return {**first, "ppl_by_length": {length: r["ppl"] for length, r in by_length.items()}}

@@ -13,6 +13,7 @@ import yaml
 from lm.errors import UserError
 
 SUITES = Path(__file__).parent / "suites"
+TASKS = Path(__file__).parent / "tasks"  # lm's own task YAMLs (the Based in-context recall tasks); always included
 
 
 def load_suite(suite: str) -> dict:
@@ -68,7 +69,7 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
         batch_size: Sequences per forward pass (results do not depend on it).
         limit: At most this many documents per task (a fraction if below 1).
         device: Torch device.
-        include_path: A folder of further task YAMLs.
+        include_path: A folder of further task YAMLs (eval/tasks is always included).
         out: Output directory (default: RUN_DIR/eval/harness-SUITE).
     """
     import logging
@@ -79,6 +80,7 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notices would bury the results
 
     from eval.harness import LMHarness
+    from eval.wandb_log import log_to_run
     from lm.checkpoint import run_dir_of
 
     spec = load_suite(suite) if suite else {"tasks": []}
@@ -87,7 +89,8 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
         raise UserError("nothing to run: give --suite or --tasks")
     if not Path(checkpoint).exists():
         raise UserError(f"checkpoint {checkpoint} not found")
-    manager = TaskManager(include_path=include_path, metadata=spec.get("metadata"))
+    manager = TaskManager(include_path=[str(TASKS)] + ([include_path] if include_path else []),
+                          metadata=spec.get("metadata"))
     load_tasks(names, manager)
     model = LMHarness(checkpoint=checkpoint, batch_size=batch_size, device=device)
     shots = num_fewshot if num_fewshot is not None else spec.get("num_fewshot", 0)
@@ -102,5 +105,8 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
          "results": results, "versions": evaluated.get("versions", {})}, indent=1, default=str))
     table = markdown_table(results, metrics)
     (out_dir / "results.md").write_text(table)
+    log_to_run(run_dir_of(checkpoint), out_dir.name, {
+        f"{task}/{key.split(',')[0]}": value for task, values in results.items() for key, value in values.items()
+        if "," in key and "_stderr" not in key and isinstance(value, (int, float))})
     print(table, end="")
     return results

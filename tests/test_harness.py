@@ -44,6 +44,17 @@ def test_the_model_is_registered_with_lm_eval():
     assert get_model("lm") is LMHarness
 
 
+def test_an_installed_lm_is_found_by_lm_evals_registry_alone():
+    """The .pth file that installing `lm` adds registers the model before anything of lm is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from lm_eval.api.registry import get_model; assert 'eval.harness' not in sys.modules; "
+            "print(get_model('lm').__module__, get_model('dummy').__name__)")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["eval.harness", "DummyLM"]
+
+
 def test_loglikelihood_is_the_models_own_sum_of_token_log_probabilities(tokenizer):
     model = tiny("attention")
     scores = harness(model, tokenizer, batch_size=3).loglikelihood(requests("loglikelihood", TEXTS))
@@ -196,6 +207,26 @@ def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(tra
         model=LMHarness(checkpoint=str(trained_run), batch_size=1), tasks=["lm_fixture_choice"],
         task_manager=TaskManager(include_path=str(fixture_tasks)), bootstrap_iters=0)["results"]
     assert again["lm_fixture_choice"]["acc,none"] == results["lm_fixture_choice"]["acc,none"]
+    # And through lm-eval's own command line, which finds the installed model by name.
+    cli = run_lm_eval_cli(trained_run, fixture_tasks, list(FIXTURE_TASKS))
+    for task, values in results.items():
+        for metric, value in values.items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert cli[task][metric] == pytest.approx(value, rel=1e-6), (task, metric)
+
+
+def run_lm_eval_cli(run: Path, include_path: Path, tasks: list[str]) -> dict:
+    """`lm_eval --model lm ...` in a subprocess; its results.json."""
+    import subprocess
+    import sys
+
+    out = include_path / "cli-out"
+    lm_eval_cli = Path(sys.executable).parent / "lm_eval"
+    subprocess.run([str(lm_eval_cli), "--model", "lm", "--model_args", f"checkpoint={run}", "--batch_size", "4",
+                    "--device", "cpu", "--tasks", ",".join(tasks), "--include_path", str(include_path),
+                    "--output_path", str(out)], check=True, capture_output=True)
+    (results,) = out.rglob("results*.json")
+    return json.loads(results.read_text())["results"]
 
 
 def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixture_tasks):
@@ -228,3 +259,32 @@ def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monke
         run_harness(str(trained_run), tasks=["no_such_task"])
     with pytest.raises(UserError, match="suite nope not found"):
         run_harness(str(trained_run), suite="nope")
+
+
+def test_based_in_context_tasks_put_the_passage_before_the_question_and_score_containment():
+    from eval.tasks.based_recall.utils import doc_to_text, process_results
+
+    doc = {"context": "[DOC] [TLE] Paris [PAR] Paris is the capital of France. What is the capital of France?",
+           "question": "What is the capital of France?", "answers": ["Paris", "City of Light"]}
+    assert doc_to_text(doc) == "Paris  Paris is the capital of France. What is the capital of France?"
+    assert process_results(doc, [" paris, of course"]) == {"contains": 1.0}
+    assert process_results(doc, [" Lyon"]) == {"contains": 0.0}
+
+
+def test_the_based_task_yamls_run_through_lm_eval_on_local_data(trained_run, tmp_path):
+    """Each Based YAML, with only its dataset swapped for a local jsonl of the same fields, runs end to end."""
+    from eval.run_harness import TASKS
+    from eval.run_harness import harness as run_harness
+
+    data = tmp_path / "based.jsonl"
+    data.write_text("".join(json.dumps({"context": f"{c} {x}.", "question": f"{c}?", "answers": [x.strip()]}) + "\n"
+                            for c, x in TEXTS))
+    names = []
+    for yaml_file in sorted((TASKS / "based_recall").glob("*.yaml")):
+        names.append(f"{yaml_file.stem}_local")
+        (tmp_path / f"{names[-1]}.yaml").write_text(
+            f"include: {yaml_file}\ntask: {names[-1]}\ndataset_path: json\n"
+            f"dataset_kwargs: {{data_files: {{validation: {data}}}}}\n")
+    results = run_harness(str(trained_run), tasks=names, include_path=str(tmp_path), out=str(tmp_path / "out"))
+    assert set(results) == set(names)
+    assert all(0 <= results[name]["contains,none"] <= 1 for name in names)

@@ -44,7 +44,7 @@ def test_examples_are_deterministic_fit_their_length_and_hold_their_answers(toke
     assert make_example(probe, tokenizer, 1024, 0.5, seed=8).prompt != a.prompt
     assert 0.9 * 1024 <= tokens(tokenizer, a.prompt) + 1 <= 1024
     assert all(answer in a.prompt for answer in a.answers)
-    assert len(a.answers) == (1 if probe in ("single", "multikey") else 4)
+    assert len(a.answers) == {"passkey": 1, "single": 1, "multikey": 1, "mqar": 2}.get(probe, 4)
     assert score(" ".join(a.answers), a.answers) == 1 and score("nothing", a.answers) == 0
 
 
@@ -81,4 +81,57 @@ def test_longctx_writes_the_grid_and_heatmaps(kjv_data, tmp_path):
                                                                            ("single", "400", "1.0")]
     for probe in ("single", "vt"):
         assert (tmp_path / "out" / f"grid-{probe}.png").stat().st_size > 1000
-        assert len((tmp_path / "out" / f"{probe}.jsonl").read_text().splitlines()) == 2 * 2 * 2
+        assert len((tmp_path / "out" / f"{probe}-outputs.jsonl").read_text().splitlines()) == 2 * 2 * 2
+
+
+def test_the_probes_as_lm_eval_tasks_give_the_same_generations_and_scores(kjv_data, tmp_path):
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.harness import LMHarness
+
+    torch.manual_seed(0)
+    config = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=64)
+    save_pretrained(LanguageModel(config).state_dict(), config, tmp_path / "model",
+                    Path(kjv_data) / "tokenizer.json")
+    out = tmp_path / "out"
+    assert longctx(str(tmp_path / "model"), probes=["passkey", "mqar"], lengths=[300], depths=[0.5], samples=3,
+                   max_new_tokens=6, out=str(out), tasks_only=True) == []
+    assert not (out / "grid.csv").exists()
+    rows = longctx(str(tmp_path / "model"), probes=["passkey", "mqar"], lengths=[300], depths=[0.5], samples=3,
+                   max_new_tokens=6, out=str(out))
+    evaluated = lm_eval.simple_evaluate(
+        model=LMHarness(checkpoint=str(tmp_path / "model")), tasks=["longctx_passkey", "longctx_mqar"],
+        task_manager=TaskManager(include_path=str(out / "lm_eval")), log_samples=True, bootstrap_iters=0)
+    for probe, row in zip(["passkey", "mqar"], rows):
+        ours = [json.loads(line) for line in (out / f"{probe}-outputs.jsonl").read_text().splitlines()]
+        theirs = sorted(evaluated["samples"][f"longctx_{probe}"], key=lambda s: s["doc_id"])
+        assert [s["resps"][0][0] for s in theirs] == [o["output"] for o in ours]
+        assert evaluated["results"][f"longctx_{probe}"]["accuracy,none"] == pytest.approx(row["accuracy"])
+
+
+def test_passkey_training_saves_a_model_and_grids_it(kjv_data, tmp_path):
+    """The path of `lm eval passkey` in a few steps (the slow test below checks that it learns)."""
+    from eval.longctx.passkey import PasskeyBatches, passkey
+
+    tokenizer = Tokenizer.from_file(str(Path(kjv_data) / "tokenizer.json"))
+    inputs, targets = next(iter(PasskeyBatches(tokenizer, 200, 2, seed=0)))
+    # Targets on the answer only: " " and a five-digit key, whose tokens follow the input's last real token.
+    key_tokens = len(tokenizer.encode(" 12345", add_special_tokens=False).ids)
+    assert inputs.shape == targets.shape and int((targets != -100).sum()) == 2 * key_tokens
+    rows = passkey(kjv_data, str(tmp_path), length=200, steps=3, batch_size=2, eval_lengths=[200, 300],
+                   depths=[0.0, 1.0], samples=2)
+    assert [(r["length"], r["depth"]) for r in rows] == [(200, 0.0), (200, 1.0), (300, 0.0), (300, 1.0)]
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "grid" / "grid-passkey.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_tiny_attention_model_trained_on_passkeys_passes_at_its_training_length(kjv_data, tmp_path):
+    from eval.longctx.passkey import passkey
+
+    rows = passkey(kjv_data, str(tmp_path), length=256, eval_lengths=[256], samples=20)
+    accuracy = sum(r["accuracy"] for r in rows) / len(rows)
+    assert accuracy > 0.9, rows

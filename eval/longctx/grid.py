@@ -1,11 +1,13 @@
 """`lm eval longctx`: accuracy of a checkpoint on the local long-context probes over a grid of lengths x depths;
-grid.csv, one heatmap PNG per probe, and the examples as jsonl, in RUN_DIR/eval/longctx-HAYSTACK."""
+grid.csv, one heatmap PNG per probe and each probe's outputs in RUN_DIR/eval/longctx-HAYSTACK, and the examples as
+lm-eval tasks (jsonl + YAML) in its lm_eval/ folder."""
 
 import csv
 import json
 from pathlib import Path
 
-from eval.longctx.probes import make_example, score
+from eval.longctx.probes import PROBES, make_example, score
+from eval.longctx.tasks import write_tasks
 
 
 def plot_grid(rows: list[dict], probe: str, path: Path) -> None:
@@ -32,16 +34,16 @@ def plot_grid(rows: list[dict], probe: str, path: Path) -> None:
     plt.close(fig)
 
 
-def longctx(checkpoint: str, probes: list[str] = ["single", "multikey", "multivalue", "vt"],  # noqa: B006
+def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
             lengths: list[int] = [1024, 2048, 4096, 8192, 16384, 32768],  # noqa: B006
             depths: list[float] = [0.0, 0.25, 0.5, 0.75, 1.0],  # noqa: B006
             samples: int = 5, haystack: str = "noise", seed: int = 0, max_new_tokens: int = 48,
-            device: str = "cpu", out: str | None = None) -> list[dict]:
-    """Long-context probes (needles, variable tracking) over lengths x depths; grid.csv and heatmaps.
+            device: str = "cpu", out: str | None = None, tasks_only: bool = False) -> list[dict]:
+    """Long-context probes (passkey, needles, MQAR, variable tracking) over lengths x depths; grid and heatmaps.
 
     Args:
         checkpoint: A checkpoint, a run directory (its newest checkpoint) or an `lm export` directory.
-        probes: Any of single, multikey, multivalue, vt.
+        probes: Any of passkey, single, multikey, multivalue, mqar, vt.
         lengths: Prompt lengths in tokens.
         depths: Depths of the asked needle (vt: of the chain's start), 0 = start of the haystack.
         samples: Examples per cell.
@@ -50,38 +52,49 @@ def longctx(checkpoint: str, probes: list[str] = ["single", "multikey", "multiva
         max_new_tokens: Tokens generated per answer.
         device: Torch device.
         out: Output directory (default: RUN_DIR/eval/longctx-HAYSTACK).
+        tasks_only: Only write the examples as lm-eval tasks (OUT/lm_eval); evaluate nothing.
     """
     from lm_eval.api.instance import Instance
+    from tokenizers import Tokenizer
 
-    from eval.harness import LMHarness
+    from eval.harness import LMHarness, tokenizer_path
+    from eval.wandb_log import log_to_run
     from lm.checkpoint import run_dir_of
 
-    model = LMHarness(checkpoint=checkpoint, device=device, max_length=max(lengths) + max_new_tokens)
+    tokenizer = Tokenizer.from_file(str(tokenizer_path(checkpoint)))
     out_dir = Path(out) if out else run_dir_of(checkpoint) / "eval" / f"longctx-{haystack}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    examples = {probe: [(length, depth, make_example(probe, tokenizer, length, depth, seed * 1000 + i, haystack))
+                        for length in lengths for depth in depths for i in range(samples)] for probe in probes}
+    tasks = write_tasks(examples, out_dir / "lm_eval", haystack, max_new_tokens)
+    print(f"lm-eval tasks {', '.join(tasks)} in {out_dir / 'lm_eval'}")
+    if tasks_only:
+        return []
+    model = LMHarness(checkpoint=checkpoint, device=device, max_length=max(lengths) + max_new_tokens)
     rows = []
-    for probe in probes:
-        with open(out_dir / f"{probe}.jsonl", "w") as examples:
-            for length in lengths:
-                for depth in depths:
-                    cell = [make_example(probe, model.tokenizer, length, depth, seed * 1000 + i, haystack)
-                            for i in range(samples)]
-                    requests = [Instance("generate_until", {}, (e.prompt, {"until": ["\n"],
-                                                                            "max_gen_toks": max_new_tokens}), i)
-                                for i, e in enumerate(cell)]
-                    outputs = model.generate_until(requests)
-                    scores = [score(o, e.answers) for o, e in zip(outputs, cell)]
-                    for e, o, s in zip(cell, outputs, scores):
-                        examples.write(json.dumps({"length": length, "depth": depth, "prompt": e.prompt,
-                                                   "answers": e.answers, "output": o, "score": s}) + "\n")
-                    rows.append({"probe": probe, "haystack": haystack, "length": length, "depth": depth,
-                                 "accuracy": sum(scores) / len(scores), "samples": samples})
+    for probe, cells in examples.items():
+        with open(out_dir / f"{probe}-outputs.jsonl", "w") as outputs_file:
+            for start in range(0, len(cells), samples):
+                cell = cells[start:start + samples]
+                length, depth = cell[0][:2]
+                requests = [Instance("generate_until", {}, (e.prompt, {"until": ["\n"],
+                                                                        "max_gen_toks": max_new_tokens}), i)
+                            for i, (_, _, e) in enumerate(cell)]
+                outputs = model.generate_until(requests)
+                scores = [score(o, e.answers) for o, (_, _, e) in zip(outputs, cell)]
+                for (_, _, e), o, s in zip(cell, outputs, scores):
+                    outputs_file.write(json.dumps({"length": length, "depth": depth, "answers": e.answers,
+                                                   "output": o, "score": s}) + "\n")
+                rows.append({"probe": probe, "haystack": haystack, "length": length, "depth": depth,
+                             "accuracy": sum(scores) / len(scores), "samples": samples})
         plot_grid([r for r in rows if r["probe"] == probe], probe, out_dir / f"grid-{probe}.png")
     with open(out_dir / "grid.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+    means = {}
     for probe in probes:
-        mean = [r["accuracy"] for r in rows if r["probe"] == probe]
-        print(f"{probe}: mean accuracy {sum(mean) / len(mean):.3f} over {len(mean)} cells")
+        cells = [r["accuracy"] for r in rows if r["probe"] == probe]
+        means[f"{probe}/mean_accuracy"] = sum(cells) / len(cells)
+        print(f"{probe}: mean accuracy {means[f'{probe}/mean_accuracy']:.3f} over {len(cells)} cells")
+    log_to_run(run_dir_of(checkpoint), out_dir.name, means, rows)
     return rows

@@ -3,6 +3,10 @@
 - needle in a haystack: `single` (one needle), `multikey` (the asked needle among needles of other keys),
   `multivalue` (several values of one key, all asked); the haystack is repeated noise sentences or text of the
   bundled corpus; the asked needle sits at a given depth (0 = start, 1 = end of the haystack).
+- `passkey` (Mohtashami & Jaggi 2023): one five-digit pass key, stated twice, in a noise or corpus haystack;
+  the question repeats the statement's words, so copying (an induction head) answers it.
+- `mqar` (multi-query associative recall, after Zoology): many key-value needles; several keys asked at once,
+  every value must come back.
 - variable tracking (`vt`): a chain VAR A = 12345, VAR B = VAR A, ... spread over the haystack; asked: every
   variable that holds the value.
 
@@ -21,12 +25,14 @@ from tokenizers import Tokenizer
 
 from lm.errors import UserError
 
-PROBES = ("single", "multikey", "multivalue", "vt")
+PROBES = ("passkey", "single", "multikey", "multivalue", "mqar", "vt")
 HAYSTACKS = ("noise", "corpus")
 NOISE = ["The grass is green. ", "The sky is blue. ", "The sun is yellow. ", "Here we go. ",
          "There and back again. "]
 KEYS = ["apple", "river", "candle", "meadow", "lantern", "harbor", "violin", "pepper", "glacier", "saddle",
         "thimble", "orchid", "falcon", "quarry", "marble", "tundra", "walnut", "beacon", "cobalt", "ember"]
+PASSKEY_INTRO = ("There is a pass key hidden in the following text. Find it and remember it; I will ask you for "
+                 "it afterwards.\n")
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
          "I will quiz you about the numbers afterwards.\n")
 
@@ -94,7 +100,24 @@ def make_example(probe: str, tokenizer: Tokenizer, length: int, depth: float, se
     rng = random.Random(f"{probe}/{haystack_kind}/{length}/{depth}/{seed}")
     keys = rng.sample(KEYS, n_needles)
     number = lambda: str(rng.randint(1_000_000, 9_999_999))  # noqa: E731
-    if probe == "vt":
+    intro = INTRO
+    if probe == "passkey":
+        intro, key = PASSKEY_INTRO, str(rng.randint(10_000, 99_999))
+        needles, answers, depths = [f"The pass key is {key}. Remember it. {key} is the pass key. "], [key], [depth]
+        question = "\nWhat is the pass key? The pass key is"
+    elif probe == "mqar":
+        values = [number() for _ in keys]
+        needles = [f"The number for {k} is {v}. " for k, v in zip(keys, values)]
+        asked = rng.sample(range(len(keys)), max(1, len(keys) // 2))
+        answers = [values[i] for i in asked]
+        # The first asked needle sits at `depth`, the others anywhere.
+        depths = [rng.random() for _ in keys]
+        depths[asked[0]] = depth
+        order = [asked[0]] + [i for i in range(len(keys)) if i != asked[0]]
+        needles, depths = [needles[i] for i in order], [depths[i] for i in order]
+        names = ", ".join(keys[i] for i in asked[:-1]) + (" and " if len(asked) > 1 else "") + keys[asked[-1]]
+        question = f"\nWhat are the numbers for {names}? The numbers for {names} are"
+    elif probe == "vt":
         names = ["".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) for _ in range(n_needles)]
         value = number()
         needles = [f"VAR {names[0]} = {value}. "] + [f"VAR {b} = VAR {a}. " for a, b in zip(names, names[1:])]
@@ -122,7 +145,7 @@ def make_example(probe: str, tokenizer: Tokenizer, length: int, depth: float, se
                     f"The special magic number{'s' if probe == 'multivalue' else ''} for {asked} mentioned in the "
                     f"provided text {'are' if probe == 'multivalue' else 'is'}")
     encode = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
-    fixed = encode(INTRO) + encode(question) + sum(encode(n) for n in needles) + 1  # + the separator
+    fixed = encode(intro) + encode(question) + sum(encode(n) for n in needles) + 1  # + the separator
     if length - fixed < 16:
         raise UserError(f"length {length} leaves no room for a haystack (the probe alone is {fixed} tokens)")
     budget, state = length - fixed, rng.getstate()
@@ -130,15 +153,15 @@ def make_example(probe: str, tokenizer: Tokenizer, length: int, depth: float, se
         rng.setstate(state)
         sentences, counts = haystack(haystack_kind, budget, tokenizer, rng)
         text, landed = place(sentences, counts, [(d, n, encode(n)) for d, n in zip(depths, needles)])
-        excess = encode(INTRO + text + question) + 1 - length
+        excess = encode(intro + text + question) + 1 - length
         if excess <= 0:
             break
         budget -= excess
     while excess > 0 and len(sentences) > 1:  # still over: drop sentences from the end until it fits
         sentences, counts = sentences[:-1], counts[:-1]
         text, landed = place(sentences, counts, [(d, n, encode(n)) for d, n in zip(depths, needles)])
-        excess = encode(INTRO + text + question) + 1 - length
-    return Example(INTRO + text + question, answers, depth, landed)
+        excess = encode(intro + text + question) + 1 - length
+    return Example(intro + text + question, answers, depth, landed)
 
 
 def score(output: str, answers: list[str]) -> float:
