@@ -32,6 +32,8 @@ class TrainerConfig:
         wandb: Also log to Weights & Biases.
         wandb_project: Its project.
         wandb_mode: "offline" (default: nothing leaves the machine) or "online".
+        rank_every: Log the effective rank of each attention layer's W_Q^T W_K and W_O W_V products (mean over
+            heads) every this many optimizer steps (0: never; lm.rank_monitor).
     """
 
     max_steps: int = 1000
@@ -47,6 +49,11 @@ class TrainerConfig:
     wandb: bool = False
     wandb_project: str = "lm"
     wandb_mode: str = "offline"
+    rank_every: int = 0
+
+    def __post_init__(self):
+        if self.rank_every < 0:
+            raise UserError(f"trainer.rank_every must be 0 (off) or positive, got {self.rank_every}")
 
 
 @dataclass

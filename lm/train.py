@@ -24,6 +24,7 @@ from lm.flops import train_flops_per_token
 from lm.graceful_stop import GracefulStop
 from lm.launch_guard import RunDirLock, check_slurm_launch
 from lm.module import LMModule
+from lm.rank_monitor import RankMonitor
 from lm.stop_request import StoppedForRequeue
 from lm.strategy import StrategyConfig, build_strategy
 
@@ -151,6 +152,8 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, accumula
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
+    if t.rank_every:
+        callbacks.append(RankMonitor(t.rank_every))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     return L.Trainer(
