@@ -26,16 +26,20 @@ COMMANDS = {
     "eval mqar": "eval.mqar:mqar_table",
     "eval harness": "eval.run_harness:harness",
     "eval longctx": "eval.longctx.grid:longctx",
+    "eval passkey": "eval.longctx.passkey:passkey",
     "generate": "lm.generate:generate_text",
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
     "slurm submit": "slurm.submit:submit_from_args",
     "slurm status": "slurm.status:slurm_status",
+    "compare plan": "lm.compare.plan:plan",
+    "compare report": "lm.compare.report:report_from_args",
+    "compare demo": "lm.compare.demo:compare_demo",
     "demo": "lm.demo:demo",
 }
-# These parse their own argv (a run config, or options followed by `--` and a command).
-OWN_ARGV = {"train", "slurm submit"}
+# These parse their own argv (a run config; options followed by `--` and a command; a list of run directories).
+OWN_ARGV = {"train", "slurm submit", "compare report"}
 # These take their required argument by position: `lm slurm status RUN_DIR`.
 POSITIONAL = {"slurm status"}
 
@@ -47,7 +51,9 @@ commands:
   export       a checkpoint of any strategy -> model.safetensors + config.json (LanguageModel.from_pretrained)
   eval ppl     perplexity and per-position NLL of a checkpoint on validation shards
   eval harness lm-evaluation-harness tasks or a suite (eval/suites: standard, recall, long) on a checkpoint
-  eval longctx long-context probes generated here (needles, variable tracking): accuracy by length x depth
+  eval longctx long-context probes generated here (passkey, needles, MQAR, variable tracking): accuracy by
+               length x depth, and the same probes as lm-eval tasks
+  eval passkey train a tiny attention model on passkey retrieval, then grid it (a check of the probes)
   eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
   generate     sample a continuation from a checkpoint
   bench train  training tokens/s and MFU
@@ -55,6 +61,9 @@ commands:
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
   slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it
   slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint
+  compare plan  shapes matched in parameters or FLOPs, tokens per budget, configs + a sweep per lr and seed
+  compare report  runs side by side (best lr per architecture): report.md, report.csv, PNG plots, report.html
+  compare demo  the showcase on CPU (~13 min): six mixers at matched parameters, corpus + MQAR, then the report
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 

@@ -1,0 +1,233 @@
+"""`lm compare demo`: the showcase comparison, on a 2-core CPU in about 13 minutes. The six mixers at matched parameters
+(lm compare plan) train on the bundled corpus for the same tokens, `lm eval ppl` evaluates each, `lm eval mqar` probes
+recall, and `lm compare report` puts it all side by side, the MQAR table included.
+
+Layout under --out: data/ (the prepared corpus, reused by a rerun), base.yaml, plan/ (plan.md, configs), runs/ARCH
+(one `lm train` run each, with eval/), logs/ (each job's output), mqar.{md,json,csv}, summary.md and report/.
+
+The jobs run in worker processes, one thread each, two at a time on two cores, so both cores stay busy throughout.
+The slowest (Mesa) starts first, so both workers finish about together.
+"""
+
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from lm.errors import UserError
+
+ARCHS = ("attention", "mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa")
+# Peak lr per mixer, one run each, not swept: configs/demo.yaml's 3e-3 for attention and mLSTM, and a little more for
+# the state-space and delta-rule mixers, on the guess that they take a higher lr. A real comparison sweeps them
+# (lm compare plan --lrs).
+LRS = {"attention": 3e-3, "mamba2": 4e-3, "mlstm": 3e-3, "deltanet": 4e-3, "gated_deltanet": 4e-3, "mesa": 4e-3}
+# Slowest first (Mesa's 30 CG steps per token; MQAR is about as long as the average run).
+ORDER = ("mesa", "mqar", "gated_deltanet", "deltanet", "mamba2", "mlstm", "attention")
+VAL_POINTS = 8  # validations per run: the loss curves' points
+MQAR_COLUMNS = ("mixer", "params", "state floats", "steps", "accuracy", "final loss", "seconds")
+
+
+def worker_setup(log: Path, threads: int) -> None:
+    """Send this worker's output to `log` and set its threads, before torch is imported. Each worker runs one job
+    (max_tasks_per_child=1), so nothing needs undoing."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: int,
+                       eval_windows: int | None) -> dict:
+    """One job: `lm train` on a planned config, then `lm eval ppl` on its last checkpoint."""
+    start = time.perf_counter()
+    worker_setup(log, threads)
+    from eval.ppl import evaluate_ppl
+    from lm.config import parse_run_config
+    from lm.train import train
+
+    run, resume, resolved = parse_run_config(["--config", config, *overrides])
+    checkpoint = train(run, resume, resolved)
+    result = evaluate_ppl(str(checkpoint), max_windows=eval_windows)
+    return {"ppl": result["ppl"], "seconds": time.perf_counter() - start}
+
+
+def mqar_job(json_out: Path, steps: int | None, log: Path, threads: int) -> dict:
+    """The other job: `lm eval mqar`, a 2-layer model of each mixer on multi-query associative recall."""
+    start = time.perf_counter()
+    worker_setup(log, threads)
+    from eval.mqar import mqar_table
+
+    rows = mqar_table(mixers=list(ARCHS), steps=steps, json_out=str(json_out))
+    return {"rows": rows, "seconds": time.perf_counter() - start}
+
+
+def run_jobs(jobs: dict[str, tuple], workers: int) -> dict[str, dict]:
+    """name -> (function, args, log): runs them in ORDER, `workers` at a time, each in a fresh process."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    results = {}
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        futures = {pool.submit(fn, *args): name for name, (fn, args, _) in sorted(
+            jobs.items(), key=lambda job: ORDER.index(job[0]))}
+        for future in as_completed(futures):
+            name = futures[future]
+            log = jobs[name][2]
+            try:
+                results[name] = future.result()
+            except UserError as err:
+                pool.shutdown(cancel_futures=True)
+                raise UserError(f"{name}: {err} (its log: {log})") from None
+            except Exception as err:
+                pool.shutdown(cancel_futures=True)
+                raise RuntimeError(f"{name} failed ({type(err).__name__}: {err}); its log: {log}") from err
+            ppl = f", validation ppl {results[name]['ppl']:.2f}" if "ppl" in results[name] else ""
+            print(f"lm compare demo: {name} done in {results[name]['seconds']:.0f} s{ppl}", file=sys.stderr)
+    return results
+
+
+def prepared_data(out: Path, data: str | None, vocab_size: int) -> tuple[str, int]:
+    """(data directory, tokenizer vocabulary): `data` if given, else the bundled corpus prepared into OUT/data
+    (lm prepare reuses an identical earlier result)."""
+    if data is None:
+        from data_prep.prepare import BUNDLED_CORPUS, prepare
+
+        data = str(out / "data")
+        prepare([str(BUNDLED_CORPUS)], data, vocab_size=vocab_size, progress=False)
+    manifest = Path(data) / "manifest.json"
+    if not manifest.is_file():
+        raise UserError(f"--data {data} is not a prepared dataset (no manifest.json; `lm prepare` writes one)")
+    return data, json.loads(manifest.read_text())["tokenizer"]["vocab_size"]
+
+
+def base_config(data: str, vocab: int, seq_len: int, global_batch: int, val_windows: int | None) -> dict:
+    """The sections lm compare plan copies into every config; the steps and lr are set per run. Validation sees the
+    windows `lm eval ppl` sees, so the report's final validation loss is that of the evaluation."""
+    return {"seed": 0, "model": {"vocab_size": vocab, "max_seq_len": seq_len, "logit_soft_cap": 30.0},
+            "data": {"path": data, "seq_len": seq_len, "micro_batch": global_batch, "global_batch": global_batch,
+                     "num_workers": 0, "val_windows": val_windows},
+            "optim": {"lr": LRS["attention"], "weight_decay": 0.1, "min_lr_ratio": 0.1},
+            "trainer": {"keep_last": 1, "progress_bar": False}, "strategy": {"accelerator": "cpu", "devices": 1}}
+
+
+def mqar_cells(row: dict) -> list[str]:
+    return [row["mixer"], f"{row['params']:,}", f"{row['state_floats']:,}", str(row["steps"]),
+            f"{row['accuracy']:.1%}", f"{row['final_loss']:.3f}", f"{row['seconds']:.0f}"]
+
+
+def write_mqar(out: Path, rows: list[dict]) -> Path:
+    """mqar.md (the table as `lm eval mqar` prints it) and mqar.csv (for the report); mqar.json is the job's."""
+    from eval.mqar import MQARTask
+
+    task = MQARTask(vocab=32, pairs=4)  # mqar_table's defaults
+    lines = [f"MQAR (`lm eval mqar`): vocab {task.vocab}, {task.pairs} pairs, length {task.seq_len}, 2 layers, "
+             "d_model 64, batch 64, lr 3e-3; accuracy on fresh sequences (docs/mqar.md).", "",
+             "| " + " | ".join(MQAR_COLUMNS) + " |", "|" + " --- |" * len(MQAR_COLUMNS)]
+    lines += ["| " + " | ".join(mqar_cells(row)) + " |" for row in rows]
+    (out / "mqar.md").write_text("\n".join(lines) + "\n")
+    with open(out / "mqar.csv", "w", newline="") as f:
+        csv.writer(f).writerows([MQAR_COLUMNS, *map(mqar_cells, rows)])
+    return out / "mqar.csv"
+
+
+def summary_table(report_csv: Path, mqar: list[dict], seq_len: int) -> str:
+    """One row per mixer: the report's numbers for its run and its MQAR accuracy."""
+    with open(report_csv) as f:
+        runs = {row["arch"]: row for row in csv.DictReader(f)}
+    accuracy = {row["mixer"]: row["accuracy"] for row in mqar}
+
+    def num(row: dict, key: str, form: str) -> str:
+        return format(float(row[key]), form) if row.get(key) else ""
+
+    header = ("arch", "lr", "params", "tokens", "val loss", "val ppl", f"NLL@{seq_len}", "tokens/s",
+              "train time (s)", "MQAR accuracy")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for arch in ARCHS:
+        row = runs.get(arch, {})
+        cells = (arch, num(row, "best lr", "g"), num(row, "params", ",.0f"), num(row, "tokens", ",.0f"),
+                 num(row, "val loss", ".3f"), num(row, "val ppl", ".1f"), num(row, f"NLL@{seq_len}", ".3f"),
+                 num(row, "tokens/s", ",.0f"), num(row, "wall time (s)", ".0f"),
+                 f"{accuracy[arch]:.1%}" if arch in accuracy else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: float = 6e5, seq_len: int = 128,
+                 global_batch: int = 16, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
+                 steps: int | None = None, mqar_steps: int | None = None, eval_windows: int | None = None) -> dict:
+    """The six mixers at matched parameters on the bundled corpus and on MQAR, then the report (~13 min on 2 CPU cores).
+
+    Args:
+        out: Where everything goes: data/, plan/, runs/, logs/, mqar.md, summary.md, report/.
+        params: Parameters of every model (tied embedding included), matched within 2% by lm compare plan.
+        tokens: Training tokens of every run (the same for all; rounded to whole steps).
+        seq_len: Training sequence length.
+        global_batch: Sequences per optimizer step.
+        vocab_size: BPE vocabulary of the bundled corpus.
+        data: An already prepared dataset (`lm prepare`) to use instead of the bundled corpus.
+        workers: Jobs run at once, each in its own process with cpu_count / workers threads.
+        steps: Optimizer steps of every run instead of --tokens (a few for a quick check).
+        mqar_steps: MQAR training steps of every mixer (default: eval.mqar.STEPS).
+        eval_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
+    """
+    from lm.compare.plan import plan
+    from lm.compare.report import report
+
+    start = time.perf_counter()
+    if params <= 0 or tokens <= 0:
+        raise UserError("--params and --tokens must be positive")
+    for name, value in (("seq_len", seq_len), ("global_batch", global_batch), ("workers", workers),
+                        ("steps", steps), ("mqar_steps", mqar_steps), ("eval_windows", eval_windows)):
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    out_dir = Path(out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    data, vocab = prepared_data(out_dir, data, vocab_size)
+    steps = steps or max(1, round(tokens / (global_batch * seq_len)))
+    val_every = max(1, round(steps / VAL_POINTS))
+    steps = val_every * max(1, round(steps / val_every))  # the last step is validated too
+    base = out_dir / "base.yaml"
+    base.write_text(yaml.safe_dump(base_config(data, vocab, seq_len, global_batch, eval_windows), sort_keys=False))
+
+    planned = plan(archs=",".join(ARCHS), params=params, base=str(base), lrs={a: [LRS[a]] for a in ARCHS},
+                   out=str(out_dir / "plan"))
+    trained = steps * global_batch * seq_len
+    with open(out_dir / "plan" / "plan.md", "a") as f:
+        f.write(f"\nlm compare demo trains every architecture for the same {trained:,} tokens ({steps} steps of "
+                f"{global_batch} x {seq_len}), not the tokens and steps above.\n")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    overrides = ["--trainer.max_steps", str(steps), "--trainer.val_every", str(val_every), "--trainer.ckpt_every",
+                 str(steps), "--trainer.log_every", str(max(1, min(10, steps // 10))), "--optim.warmup_steps",
+                 str(max(1, steps // 10))]
+    logs = out_dir / "logs"
+    jobs = {}
+    for row in planned["archs"]:
+        log = logs / f"{row['arch']}.log"
+        run_overrides = ["--run_dir", str(out_dir / "runs" / row["arch"]), *overrides]
+        jobs[row["arch"]] = (train_and_evaluate, (row["configs"][0], run_overrides, log, threads, eval_windows), log)
+    jobs["mqar"] = (mqar_job, (out_dir / "mqar.json", mqar_steps, logs / "mqar.log", threads), logs / "mqar.log")
+    print(f"lm compare demo: {len(ARCHS)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "
+          f"thread(s) each; logs in {logs}", file=sys.stderr)
+    results = run_jobs(jobs, workers)
+
+    mqar = results["mqar"]["rows"]
+    report_dir = report([str(out_dir / "runs" / arch) for arch in ARCHS], out=str(out_dir / "report"),
+                        positions=[seq_len // 8, seq_len // 2, seq_len],
+                        title=f"lm compare demo: six mixers at {params / 1e6:g}M parameters, {trained:,} tokens each",
+                        tables={"MQAR recall (lm eval mqar)": str(write_mqar(out_dir, mqar))})
+    table = summary_table(report_dir / "report.csv", mqar, seq_len)
+    wall = time.perf_counter() - start
+    (out_dir / "summary.md").write_text(table)
+    print(f"\n{table}\nlm compare demo: {wall:.0f} s ({wall / 60:.1f} min) in all; report: "
+          f"{report_dir / 'report.html'} and {report_dir / 'report.md'}")
+    return {"wall_s": wall, "steps": steps, "tokens": trained, "table": table, "report": str(report_dir),
+            "mqar": mqar, "ppl": {arch: results[arch]["ppl"] for arch in ARCHS},
+            "params": {row["arch"]: row["params"] for row in planned["archs"]}, "lr": dict(LRS)}

@@ -1,0 +1,401 @@
+"""`lm compare plan`: the shape of each architecture at matched parameters or matched training FLOPs, the tokens a
+budget buys, and ready-to-run `lm train` configs (a learning-rate grid and seeds per architecture) with a sweep file.
+
+    lm compare plan --archs attention,mamba2,mesa,mesa+attention --match params --budget 2.6e18 \
+        --base configs/attention/145m.yaml --out runs/compare/145m
+
+Architectures: mixer names, hybrid layer patterns joined by "+" ("mesa+attention", cycled over the depth), or a
+hybrid's name from configs/paper_sizes.py (mesa_attention).
+
+Target size: `--params N` counts every parameter, the tied embedding included, as the MesaNet paper names its sizes
+(its "145M" is configs/attention/145m.yaml, 146.0M) and as configs/paper_sizes.py matches them; the table also shows
+the count without the embedding. Given only `--budget C` (total training FLOPs), N follows Chinchilla's ~20 tokens
+per parameter: C = 6 N D with D = 20 N, so N = sqrt(C / 120).
+
+Reference shape: attention at N. Of SHAPE_LADDER's rungs (d_model, n_layers, head_dim: the paper's three sizes, and
+smaller ones with head_dim 16-64 for CPU demos), the one whose attention model with the paper's SwiGLU 3 d_model is
+nearest N; its depth refitted (even, half to twice the rung's); its MLP width fitted to N (where the embedding's
+jumps between narrow rungs leave N out of reach: the nearest other rung and depth that reach it). Every architecture
+starts from that shape, with n_heads = d_model / head_dim (Gated DeltaNet alone keeps its paper's half as many heads,
+as configs/paper_sizes.py does), and is matched:
+
+- match=params: total parameters within 2% of N.
+- match=flops: training FLOPs per token at seq_len (lm.flops.train_flops_per_token) within 2% of the reference's.
+
+Moves: the reference shape with the MLP width alone refitted (as lm.sizing.match_params_by_mlp does) while mlp_ratio
+stays within 2x of the reference's; else the shape nearest the reference (least sum of |log ratio| of depth, width
+and mlp_ratio; mlp_ratio within MLP_RATIO_RANGE) over depths in whole layer patterns up to twice the reference's;
+over widths too (d_model in steps of head_dim up to twice, heads following) only when no depth fits. The table's
+`move` column says which. At matched FLOPs Mesa moves most: its 30 CG steps per token cost more than attention's
+quadratic term at these lengths, so it gets a thinner MLP or fewer layers.
+
+Tokens: with a budget, each architecture trains budget / (its train FLOPs per token) tokens. At matched parameters
+the total FLOPs are equal and the tokens differ; at matched FLOPs the tokens are equal too (within 2%). Without a budget
+every architecture trains 20 tokens per target parameter, and the table shows what that costs each in FLOPs.
+Steps = tokens / (global batch x seq_len), rounded.
+
+Learning rates: the paper tuned the peak lr per model, so each architecture gets its own grid. The default brackets
+the base config's optim.lr by factors of 2 (x0.5, x1, x2): that finds each mixer's optimum when it lies within 2x of
+the base, and shows on which side it lies when not. Seeds change the initialisation only; the data order (data.seed)
+is the base config's for every run, so runs of one size see the same tokens.
+
+Outputs under --out: plan.md (the table), plan.json (the same, exact, with each model config), configs/
+ARCH-lrLR-seedS.yaml (the base config's data/optim/trainer/strategy sections, the matched model, lr, seed,
+trainer.max_steps, run_dir OUT/runs/ARCH-lrLR-seedS; a short run's warmup cut to a tenth of its steps, its
+validation and checkpoint intervals to its steps) and sweep.yaml in `lm slurm submit --array` format, submitted
+with `--submit true` (`--dry_run true` prints the table only).
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from lm.errors import UserError
+from lm.flops import param_count, train_flops_per_token
+from lm.mixers import MIXERS
+from lm.model import LMConfig
+
+TOLERANCE = 0.02
+TOKENS_PER_PARAM = 20  # Chinchilla
+DEFAULT_ARCHS = "attention,mamba2,mlstm,deltanet,gated_deltanet,mesa,mesa+attention"
+LR_MULTIPLES = (0.5, 1.0, 2.0)
+MLP_RATIO_RANGE = (1.0, 6.0)  # SwiGLU hidden / d_model a matched model may have
+MLP_MULTIPLES = (64, 32, 16, 8)  # hidden widths tried, the most hardware-friendly first
+GOOD_ENOUGH = 0.005  # a coarser MLP multiple is kept when it comes this close
+WARMUP_FRACTION = 0.1
+# (d_model, n_layers, head_dim), n_heads = d_model / head_dim: the paper's sizes (768, 1024, 1536), wider ones at
+# its depth, and narrow ones with small heads, dense enough that the embedding's jumps leave few gaps.
+SHAPE_LADDER = (
+    (64, 2, 16), (80, 2, 16), (96, 2, 16), (112, 2, 16), (128, 2, 32), (128, 4, 32), (160, 4, 32), (192, 4, 32),
+    (224, 4, 32), (256, 4, 32), (256, 6, 32), (320, 6, 32), (384, 6, 64), (448, 8, 64), (512, 8, 64), (640, 10, 64),
+    (768, 14, 128), (1024, 28, 128), (1536, 28, 128), (2048, 28, 128), (2560, 32, 128), (3072, 32, 128),
+    (4096, 32, 128), (5120, 40, 128), (6144, 48, 128), (8192, 64, 128),
+)
+
+
+@dataclass(frozen=True)
+class Arch:
+    label: str  # names files and runs: "mesa", "mesa_attention"
+    mixers: tuple[str, ...]  # the layer pattern, cycled over the depth
+
+    @property
+    def layer_pattern(self) -> str | None:
+        return ",".join(self.mixers) if len(self.mixers) > 1 else None
+
+
+def named_hybrids() -> dict[str, str]:
+    """configs/paper_sizes.py's hybrid names, where the source tree is importable."""
+    try:
+        from configs.paper_sizes import HYBRIDS
+    except ImportError:
+        return {}
+    return HYBRIDS
+
+
+def parse_archs(archs: str | list[str]) -> list[Arch]:
+    """Comma-separated (or listed) mixer names, "+"-joined patterns and named hybrids."""
+    names = archs.split(",") if isinstance(archs, str) else list(archs)
+    hybrids = named_hybrids()
+    parsed = []
+    for name in (n.strip() for n in names):
+        pattern = hybrids.get(name, name).replace(",", "+")
+        mixers = tuple(m.strip() for m in pattern.split("+"))
+        if not name or not all(m in MIXERS for m in mixers):
+            raise UserError(f"unknown architecture {name!r}: give mixers ({', '.join(MIXERS)}), patterns such as "
+                            f"mesa+attention, or hybrids ({', '.join(hybrids) or 'none'})")
+        parsed.append(Arch("_".join(mixers), mixers))
+    labels = [a.label for a in parsed]
+    if len(set(labels)) < len(labels):
+        raise UserError(f"an architecture is named twice in --archs: {', '.join(labels)}")
+    return parsed
+
+
+def attention_at(template: LMConfig, d_model: int, n_layers: int, head_dim: int, mlp_ratio: float = 3.0) -> LMConfig:
+    return replace(template, d_model=d_model, n_layers=n_layers, head_dim=head_dim, n_heads=d_model // head_dim,
+                   mixer="attention", layer_pattern=None, mlp_ratio=mlp_ratio)
+
+
+def fit_mlp(cfg: LMConfig, metric, target: float, ratios: tuple[float, float] = MLP_RATIO_RANGE) -> LMConfig | None:
+    """cfg with the SwiGLU width (a multiple of 64, else 32, 16, 8; mlp_ratio within `ratios`) that brings metric
+    nearest target; None when that is still more than TOLERANCE away. Both metrics are linear in the width."""
+    d = cfg.d_model
+    at_zero = metric(replace(cfg, mlp_ratio=0.0))
+    per_unit = (metric(replace(cfg, mlp_ratio=1.0)) - at_zero) / d
+    ideal = (target - at_zero) / per_unit
+    best, best_error = None, math.inf
+    for multiple in MLP_MULTIPLES:
+        for hidden in {math.floor(ideal / multiple) * multiple, math.ceil(ideal / multiple) * multiple}:
+            if not ratios[0] * d <= hidden <= ratios[1] * d:
+                continue
+            candidate = replace(cfg, mlp_ratio=hidden / d)
+            error = abs(metric(candidate) / target - 1)
+            if error < best_error:
+                best, best_error = candidate, error
+        if best_error <= GOOD_ENOUGH:
+            break
+    return best if best_error <= TOLERANCE else None
+
+
+def heads_for(arch: Arch, d_model: int, head_dim: int) -> int:
+    heads = d_model // head_dim
+    return max(1, heads // 2) if set(arch.mixers) == {"gated_deltanet"} else heads
+
+
+def match_shape(arch: Arch, reference: LMConfig, metric, target: float) -> tuple[LMConfig, str]:
+    """arch's config whose metric is within TOLERANCE of target, and the move that got there: the reference shape
+    with the MLP alone refitted (as lm.sizing does) while mlp_ratio stays within 2x of the reference's; else the
+    shape nearest the reference (least sum of |log ratio| of depth, width and mlp_ratio) over the depths (whole
+    layer patterns, up to twice the reference's), each with its MLP fitted; over widths (steps of head_dim, up to
+    twice) only when no depth fits."""
+    d0, depth0, head_dim, ratio0 = reference.d_model, reference.n_layers, reference.head_dim, reference.mlp_ratio
+    depths = range(len(arch.mixers), 2 * depth0 + 1, len(arch.mixers))
+
+    def shaped(d_model: int, n_layers: int) -> LMConfig:
+        return replace(reference, mixer=arch.mixers[0], layer_pattern=arch.layer_pattern, d_model=d_model,
+                       n_layers=n_layers, n_heads=heads_for(arch, d_model, head_dim))
+
+    def distance(cfg: LMConfig) -> float:
+        return sum(abs(math.log(a / b)) for a, b in ((cfg.n_layers, depth0), (cfg.d_model, d0),
+                                                     (cfg.mlp_ratio, ratio0)))
+
+    if fitted := fit_mlp(shaped(d0, depth0), metric, target, (ratio0 / 2, 2 * ratio0)):
+        return fitted, "mlp"
+    for move, widths in (("depth", [d0]), ("width", range(head_dim, 2 * d0 + 1, head_dim))):
+        fits = [cfg for cfg in (fit_mlp(shaped(d, n), metric, target) for d in widths for n in depths) if cfg]
+        if fits:
+            return min(fits, key=distance), move
+    raise UserError(f"cannot match {arch.label} within {TOLERANCE:.0%} of {target:.4g} by MLP, depth or width "
+                    f"around the reference (d_model {d0}, {depth0} layers); try another size")
+
+
+def reference_shape(template: LMConfig, target: float, asked: str) -> LMConfig:
+    """Attention at `target` parameters: the rung nearest at the paper's MLP, its depth refitted, its MLP fitted;
+    failing that (a target between two rungs of a small model, where the embedding jumps), the nearest rung and
+    depth whose MLP can fit."""
+    off = lambda cfg: abs(math.log(param_count(cfg) / target))  # noqa: E731
+    shapes = {rung: [attention_at(template, rung[0], n, rung[2]) for n in range(2, 2 * rung[1] + 1, 2)
+                     if n >= rung[1] // 2] for rung in SHAPE_LADDER}
+    nearest = min(SHAPE_LADDER, key=lambda rung: off(attention_at(template, *rung)))
+    for cfg in [min(shapes[nearest], key=off), *sorted((c for cs in shapes.values() for c in cs), key=off)]:
+        if fitted := fit_mlp(cfg, param_count, target):
+            return fitted
+    smallest = attention_at(template, *SHAPE_LADDER[0], mlp_ratio=MLP_RATIO_RANGE[0])
+    if target < param_count(smallest):
+        raise UserError(f"{asked} is too small: the smallest shape (d_model {smallest.d_model}, {smallest.n_layers} "
+                        f"layers) has {param_count(smallest):,} parameters at vocab {template.vocab_size}")
+    raise UserError(f"{asked}: no shape of the ladder (d_model {SHAPE_LADDER[0][0]}-{SHAPE_LADDER[-1][0]}) comes "
+                    f"within {TOLERANCE:.0%} at vocab {template.vocab_size}, whose embedding grows in jumps with "
+                    f"d_model; take another size or vocabulary")
+
+
+def load_base(base: str | None) -> tuple[dict, "object"]:
+    """The base config's raw YAML (its sections are copied) and its parsed, checked RunConfig."""
+    from lm.config import parse_run_config
+
+    if base is None:
+        return {}, parse_run_config([])[0]
+    if not Path(base).is_file():
+        raise UserError(f"base config {base} not found")
+    raw = yaml.safe_load(Path(base).read_text()) or {}
+    return raw, parse_run_config(["--config", base])[0]
+
+
+def sequences_per_step(run, global_batch: int | None) -> int:
+    """--global_batch, else the base config's, else its micro-batch x accumulation x world; checked to split into
+    micro-batches over the base's devices."""
+    from lm.batch import global_batch_of, resolve_accumulation
+
+    d, st = run.data, run.strategy
+    world = st.devices * st.num_nodes if isinstance(st.devices, int) else 1
+    if global_batch is None:
+        global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
+    if global_batch is None:
+        global_batch = d.micro_batch * (run.trainer.accumulate or 1) * world
+    if global_batch < 1:
+        raise UserError(f"--global_batch must be positive, got {global_batch}")
+    resolve_accumulation(global_batch, d.micro_batch, None, world)
+    return global_batch
+
+
+def lr_grid(lrs: list[float] | dict[str, list[float]] | None, archs: list[Arch], base_lr: float) -> dict:
+    if lrs is None:
+        return {a.label: [base_lr * m for m in LR_MULTIPLES] for a in archs}
+    if isinstance(lrs, dict):
+        lrs = {parse_archs([name])[0].label: grid for name, grid in lrs.items()}  # "mesa+attention" or its label
+        missing = [a.label for a in archs if a.label not in lrs]
+        if missing:
+            raise UserError(f"--lrs has no grid for {', '.join(missing)}")
+        grid = {a.label: list(lrs[a.label]) for a in archs}
+    else:
+        grid = {a.label: list(lrs) for a in archs}
+    if any(not g or min(g) <= 0 for g in grid.values()):
+        raise UserError("--lrs: every grid needs at least one positive learning rate")
+    return grid
+
+
+def sci(x: float) -> str:
+    mantissa, exponent = f"{x:.3e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def count(n: float) -> str:
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.2f}{suffix}"
+    return str(int(n))
+
+
+def markdown(result: dict) -> str:
+    columns = ("arch", "d_model", "n_layers", "n_heads", "head_dim", "mlp_ratio", "params", "params (no emb.)",
+               "train FLOPs/token", "tokens", "steps", "total FLOPs", "error vs target", "move")
+    lines = [f"# lm compare plan: matched {result['match']}", "", *result["notes"], "",
+             "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for r in result["archs"]:
+        m = r["model"]
+        cells = (r["arch"], m["d_model"], m["n_layers"], m["n_heads"], m["head_dim"], f"{m['mlp_ratio']:.3f}",
+                 count(r["params"]), count(r["params_non_embedding"]), sci(r["train_flops_per_token"]),
+                 count(r["tokens"]), r["steps"], sci(r["total_flops"]), f"{r['error']:+.2%}", r["move"])
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_config(raw: dict, run, row: dict, lr: float, seed: int, global_batch: int, seq_len: int,
+               run_dir: Path) -> dict:
+    """The base config's sections with the planned model, batch, length, lr, seed and steps; its warmup cut to a
+    tenth of the steps and its validation and checkpoint intervals to the steps where a short run needs it."""
+    steps = row["steps"]
+    data = {k: v for k, v in (raw.get("data") or {}).items() if k != "global_batch_tokens"}
+    warmup = min(run.optim.warmup_steps, max(1, int(WARMUP_FRACTION * steps)))
+    trainer = {**(raw.get("trainer") or {}), "max_steps": steps, "val_every": min(run.trainer.val_every, steps),
+               "ckpt_every": min(run.trainer.ckpt_every, steps)}
+    return {"run_dir": str(run_dir), "seed": seed, "model": row["model"],
+            "data": {**data, "seq_len": seq_len, "global_batch": global_batch},
+            "optim": {**(raw.get("optim") or {}), "lr": lr, "warmup_steps": warmup}, "trainer": trainer,
+            "strategy": raw.get("strategy") or {}}
+
+
+def plan(archs: str | list[str] = DEFAULT_ARCHS, match: Literal["params", "flops"] = "params",
+         budget: float | None = None, params: float | None = None, seq_len: int | None = None,
+         vocab_size: int | None = None, base: str | None = None, global_batch: int | None = None,
+         lrs: list[float] | dict[str, list[float]] | None = None, seeds: list[int] | None = None,
+         out: str = "runs/compare", submit: bool = False, slurm: list[str] | None = None,
+         dry_run: bool = False) -> dict:
+    """Shapes matched in parameters or training FLOPs, the tokens a budget buys, and configs to train them.
+
+    Args:
+        archs: Comma-separated mixers, "+"-joined hybrid patterns (mesa+attention) or hybrid names (mesa_attention).
+        match: "params": equal parameter counts; "flops": equal training FLOPs per token (within 2%).
+        budget: Total training FLOPs of each run; without --params it also sets the size (20 tokens/parameter).
+        params: Target parameter count, tied embedding included; without --budget: 20 tokens/parameter for all.
+        seq_len: Training sequence length (default: the base config's data.seq_len).
+        vocab_size: Embedding rows (default: the base config's model.vocab_size).
+        base: An `lm train` YAML whose data/optim/trainer/strategy sections (and model options such as the logit
+            cap) the configs keep (default: lm train's defaults, the paper's recipe).
+        global_batch: Sequences per optimizer step (default: the base config's).
+        lrs: Peak learning rates: one grid for all, or a mapping arch -> grid (default: base lr x 0.5, 1, 2).
+        seeds: Seeds per learning rate (default: [0]).
+        out: Directory for plan.md, plan.json, configs/, sweep.yaml and the runs.
+        submit: Submit OUT/sweep.yaml as a SLURM array (lm slurm submit --array).
+        slurm: Further `lm slurm submit` options, e.g. ["--time=24:00:00", "--dry_run"].
+        dry_run: Print the plan only; write and submit nothing.
+    """
+    arch_list = parse_archs(archs)
+    if match not in ("params", "flops"):
+        raise UserError(f"--match must be params or flops, not {match!r}")
+    if budget is None and params is None:
+        raise UserError("give --budget (total training FLOPs), --params (target parameters), or both")
+    if (budget is not None and budget <= 0) or (params is not None and params <= 0):
+        raise UserError("--budget and --params must be positive")
+    raw, run = load_base(base)
+    seq_len = seq_len or run.data.seq_len
+    template = replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len)
+    batch = sequences_per_step(run, global_batch)
+    grid = lr_grid(lrs, arch_list, run.optim.lr)
+    seeds = [0] if seeds is None else list(seeds)
+    if not seeds:
+        raise UserError("--seeds needs at least one seed")
+
+    notes = []
+    if params is None:
+        target = math.sqrt(budget / (6 * TOKENS_PER_PARAM))
+        asked = f"--budget {budget:.3g}"
+        notes.append(f"Target size from the budget at Chinchilla's {TOKENS_PER_PARAM} tokens/parameter: "
+                     f"N = sqrt({sci(budget)} / {6 * TOKENS_PER_PARAM}) = {count(target)} parameters.")
+    else:
+        target, asked = float(params), f"--params {params:.3g}"
+        notes.append(f"Target size: {count(target)} parameters (tied embedding included).")
+    reference = reference_shape(template, target, asked)
+    flops_of = lambda cfg: train_flops_per_token(cfg, seq_len)  # noqa: E731
+    metric, goal = (param_count, target) if match == "params" else (flops_of, flops_of(reference))
+    notes.append(f"Reference: attention, d_model {reference.d_model}, {reference.n_layers} layers, "
+                 f"{reference.n_heads} heads of {reference.head_dim}; matched {match} within {TOLERANCE:.0%} of "
+                 f"{count(goal) if match == 'params' else sci(goal) + ' train FLOPs/token'}.")
+    tokens_per_step = batch * seq_len
+    notes.append(f"seq_len {seq_len}, vocab {template.vocab_size}, global batch {batch} sequences = "
+                 f"{tokens_per_step:,} tokens/step; " + (f"budget {sci(budget)} FLOPs per run." if budget else
+                                                         f"{TOKENS_PER_PARAM} tokens per target parameter for all."))
+
+    rows = []
+    for arch in arch_list:
+        cfg, move = (reference, "reference") if arch.mixers == ("attention",) else \
+            match_shape(arch, reference, metric, goal)
+        per_token = flops_of(cfg)
+        tokens = round(budget / per_token) if budget else round(TOKENS_PER_PARAM * target)
+        steps = round(tokens / tokens_per_step)
+        if steps < 1:
+            raise UserError(f"{asked} buys {arch.label} {tokens:,} tokens, less than one step of "
+                            f"{tokens_per_step:,} tokens (global batch {batch} x seq_len {seq_len})")
+        rows.append({"arch": arch.label, "layer_pattern": arch.layer_pattern, "move": move, "model": asdict(cfg),
+                     "params": param_count(cfg), "params_non_embedding": param_count(cfg, embeddings=False),
+                     "train_flops_per_token": per_token, "tokens": tokens, "steps": steps,
+                     "trained_tokens": steps * tokens_per_step, "total_flops": tokens * per_token,
+                     "error": metric(cfg) / goal - 1, "lrs": grid[arch.label], "configs": []})
+    result = {"match": match, "target_params": target, "budget": budget, "seq_len": seq_len,
+              "vocab_size": template.vocab_size, "global_batch": batch, "seeds": seeds, "goal": goal,
+              "tolerance": TOLERANCE, "notes": notes, "archs": rows}
+    table = markdown(result)
+    print(table, end="")
+    if dry_run:
+        return result
+    return write_plan(result, raw, run, Path(out), table, submit, slurm or [])
+
+
+def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool, slurm: list[str]) -> dict:
+    """plan.md, plan.json, one config per arch x lr x seed (checked by lm train's loader), sweep.yaml."""
+    from lm.config import parse_run_config
+
+    configs_dir = out / "configs"
+    configs_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for row in result["archs"]:
+        for lr in row["lrs"]:
+            for seed in result["seeds"]:
+                name = f"{row['arch']}-lr{lr:g}-seed{seed}"
+                config = run_config(raw, run, row, lr, seed, result["global_batch"], result["seq_len"],
+                                    out / "runs" / name)
+                header = (f"# {row['arch']}: {row['params']:,} parameters, {sci(row['train_flops_per_token'])} train "
+                          f"FLOPs/token, {row['tokens']:,} tokens in {row['steps']} steps.\n"
+                          f"# Written by lm compare plan (matched {result['match']}; see {out / 'plan.md'}).\n")
+                path = configs_dir / f"{name}.yaml"
+                path.write_text(header + yaml.safe_dump(config, sort_keys=False))
+                row["configs"].append(str(path))
+                runs.append({"config": str(path)})
+        try:
+            parse_run_config(["--config", row["configs"][0]])
+        except UserError as err:
+            raise UserError(f"the written config {row['configs'][0]} does not load: {err}") from None
+    (out / "plan.md").write_text(table)
+    (out / "plan.json").write_text(json.dumps(result, indent=1) + "\n")
+    sweep = out / "sweep.yaml"
+    sweep.write_text(f"# lm slurm submit --array {sweep}: one array task per run.\n"
+                     + yaml.safe_dump({"runs": runs}, sort_keys=False))
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {len(runs)} configs in {configs_dir}, {sweep}")
+    if submit:
+        from slurm.submit import submit_from_args
+
+        submit_from_args(["--array", str(sweep), *slurm])
+    return result

@@ -1,0 +1,151 @@
+"""`lm compare plan`: every architecture matched within 2% at three budgets in both modes, checked against lm.flops
+and a built model; the budget arithmetic; the written configs load; bad input is one line and exit status 2."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lm.compare.plan import plan
+from lm.config import parse_run_config
+from lm.errors import UserError
+from lm.flops import param_count, train_flops_per_token
+from lm.model import LanguageModel, LMConfig
+from slurm.submit import sweep_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = "attention,mamba2,mlstm,deltanet,gated_deltanet,mesa,mesa+attention"
+BUDGETS = {  # name -> plan options: a CPU demo, the paper's 145M class, its 1B class
+    "tiny": {"budget": 1e15, "vocab_size": 4096, "seq_len": 256, "base": str(ROOT / "configs" / "demo.yaml")},
+    "145m": {"budget": 2.6e18, "base": str(ROOT / "configs" / "attention" / "145m.yaml")},
+    "1b": {"budget": 1.2e20, "base": str(ROOT / "configs" / "attention" / "1b.yaml")},
+}
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    return {(size, mode): plan(archs=ARCHS, match=mode, dry_run=True, **options)
+            for size, options in BUDGETS.items() for mode in ("params", "flops")}
+
+
+def built_params(cfg: LMConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in LanguageModel(cfg).parameters())
+
+
+@pytest.mark.parametrize("mode", ["params", "flops"])
+@pytest.mark.parametrize("size", list(BUDGETS))
+def test_every_arch_matches_within_2_percent(plans, size, mode):
+    result = plans[size, mode]
+    seq_len, target = result["seq_len"], result["target_params"]
+    assert target == pytest.approx(math.sqrt(BUDGETS[size]["budget"] / 120))  # Chinchilla: C = 6 N (20 N)
+    rows = {r["arch"]: r for r in result["archs"]}
+    assert list(rows) == ["attention", "mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa", "mesa_attention"]
+    reference = LMConfig(**rows["attention"]["model"])
+    for arch, row in rows.items():
+        cfg = LMConfig(**row["model"])
+        assert cfg.layer_mixers()[:2] == (["mesa", "attention"] if arch == "mesa_attention" else [arch] * 2)
+        params = built_params(cfg) if size == "tiny" else param_count(cfg)
+        assert params == row["params"]
+        if mode == "params":
+            assert abs(params / target - 1) <= 0.02, arch
+        else:
+            ratio = train_flops_per_token(cfg, seq_len) / train_flops_per_token(reference, seq_len)
+            assert abs(ratio - 1) <= 0.02, arch
+        assert abs(row["error"]) <= 0.02
+        # the budget buys tokens x FLOPs/token; steps cover them in whole global batches
+        assert row["tokens"] * train_flops_per_token(cfg, seq_len) == pytest.approx(BUDGETS[size]["budget"],
+                                                                                    rel=1e-6)
+        assert row["steps"] == round(row["tokens"] / (result["global_batch"] * seq_len))
+    if mode == "flops":  # equal FLOPs per token: equal tokens within 2%
+        tokens = [r["tokens"] for r in rows.values()]
+        assert max(tokens) / min(tokens) <= 1.02 / 0.98
+
+
+def test_the_paper_sizes_come_out_of_the_ladder():
+    for size in ("145m", "1b"):
+        paper = parse_run_config(["--config", str(ROOT / "configs" / "attention" / f"{size}.yaml")])[0].model
+        result = plan(archs="attention", params=param_count(paper), dry_run=True)
+        assert LMConfig(**result["archs"][0]["model"]) == paper
+
+
+def test_params_alone_gives_every_arch_20_tokens_per_parameter():
+    result = plan(archs="attention,mesa", params=3e6, vocab_size=4096, seq_len=256, dry_run=True)
+    for row in result["archs"]:
+        assert row["tokens"] == 60_000_000
+        assert row["total_flops"] == pytest.approx(row["tokens"] * row["train_flops_per_token"])
+    attention, mesa = result["archs"]
+    assert mesa["total_flops"] > attention["total_flops"]  # same size and tokens; Mesa's CG costs more
+
+
+def test_written_configs_load_and_form_the_sweep(tmp_path, capsys):
+    out = tmp_path / "plan"
+    result = plan(archs=ARCHS, match="flops", seeds=[0, 1], out=str(out), **BUDGETS["tiny"])
+    assert "| mesa_attention |" in (out / "plan.md").read_text()
+    assert yaml.safe_load((out / "plan.json").read_text())["archs"][0]["arch"] == "attention"
+    written = sorted((out / "configs").glob("*.yaml"))
+    assert len(written) == 7 * 3 * 2  # archs x the default lr grid x seeds
+    for row in result["archs"]:
+        assert row["lrs"] == pytest.approx([1.5e-3, 3e-3, 6e-3])  # configs/demo.yaml's lr x 0.5, 1, 2
+        for path in row["configs"]:
+            config = parse_run_config(["--config", path])[0]
+            assert config.model == LMConfig(**row["model"])
+            assert config.optim.lr in row["lrs"] and config.seed in (0, 1)
+            assert config.trainer.max_steps == row["steps"]
+            assert config.data.seq_len == 256 and config.data.path == "runs/demo/data"
+            assert Path(config.run_dir) == out / "runs" / Path(path).stem
+    runs = sweep_runs(str(out / "sweep.yaml"))
+    assert sorted(args[1] for args in runs) == [str(p) for p in written]
+
+
+def test_a_short_run_gets_its_warmup_and_intervals_cut_to_fit(tmp_path):
+    """145m.yaml warms up for 2000 steps and validates every 1000; a 100-step run would never leave warmup."""
+    result = plan(archs="attention,mesa+attention", params=146e6, budget=100 * 256 * 2048 * 1.008e9,
+                  lrs={"attention": [3e-3], "mesa+attention": [2e-3]}, out=str(tmp_path),
+                  base=BUDGETS["145m"]["base"])
+    attention, hybrid = result["archs"]
+    assert attention["steps"] == 100 and hybrid["lrs"] == [2e-3]
+    config = parse_run_config(["--config", attention["configs"][0]])[0]
+    assert (config.optim.warmup_steps, config.trainer.val_every, config.trainer.ckpt_every) == (10, 100, 100)
+    assert config.data.global_batch == 256 and config.optim.betas == (0.9, 0.98)
+
+
+def test_submit_renders_an_array_job(tmp_path, capsys):
+    plan(archs="attention,mesa", lrs=[1e-3], out=str(tmp_path), submit=True, slurm=["--dry_run"],
+         **BUDGETS["tiny"])
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-1" in script and "mesa-lr0.001-seed0" in script
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"archs": "attention,transformer", "budget": 1e18}, "unknown architecture 'transformer'"),
+    ({"archs": "mesa,mesa", "budget": 1e18}, "named twice"),
+    ({"archs": "mesa"}, "give --budget"),
+    ({"archs": "mesa", "budget": 1e9}, "too small"),
+    ({"archs": "mesa", "params": 3e6, "budget": 1e10, "vocab_size": 4096}, "less than one step"),
+    ({"archs": "mesa", "match": "flops", "params": 1e6, "vocab_size": 4096, "seq_len": 256}, "cannot match mesa"),
+    ({"archs": "mesa", "params": 3e6, "lrs": {"attention": [1e-3]}}, "no grid for mesa"),
+    ({"archs": "mesa", "params": 3e6, "base": "missing.yaml"}, "not found"),
+])
+def test_impossible_requests_are_user_errors(options, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        plan(dry_run=True, out=str(tmp_path), **options)
+
+
+def test_cli_plans_and_rejects_a_bad_option_with_one_line(tmp_path):
+    command = [sys.executable, "-m", "lm.cli", "compare", "plan"]
+    good = subprocess.Popen([*command, "--archs", "attention,mesa+attention", "--match", "flops", "--budget", "1e15",
+                             "--vocab_size", "4096", "--seq_len", "256", "--out", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bad = subprocess.Popen([*command, "--budjet", "1e15"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    out, err = good.communicate(timeout=120)
+    assert good.returncode == 0, err
+    assert "| mesa_attention |" in out and (tmp_path / "sweep.yaml").is_file()
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode == 2
+    assert err.count("\n") == 1 and "unknown config key 'budjet'" in err
