@@ -1,1 +1,1 @@
-"""Speed benchmarks: training tokens/s and model FLOPs utilisation (`lm bench train`, `lm bench mixer`)."""
+"""Benchmarks (`lm bench train | mixer | memory | data | peers | strategies`, and bench/gpu.sh for a GPU machine)."""

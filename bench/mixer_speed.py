@@ -9,17 +9,15 @@ at the same (d_model, n_heads, head_dim); its recurrent form (a CG solve per ste
 only at the mixer's default step count and up to mesa_recurrent_max_len.
 """
 
-import gc
 import inspect
 import json
 import math
-import multiprocessing
-import resource
 import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.memory import fresh_processes, peak_growth_mib
 from bench.train_speed import device_name
 from lm.errors import UserError
 from lm.mixers import MIXERS, MLSTM, DeltaNet, Mamba2, Mesa
@@ -141,11 +139,6 @@ def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = mat
     return 1e3 * best
 
 
-def rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() // 1024
-
-
 def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int,
              cg_steps: int = MESA_CG_STEPS, cg_tol: float | None = None) -> float:
     """Run in a fresh process: peak RSS of one chunkwise forward + backward minus the RSS after inputs exist, MiB.
@@ -156,10 +149,7 @@ def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batc
     chunkwise = op_fns(op, cg_steps, cg_tol)[0]
     forward_backward(chunkwise, args, proj)
     op, args, proj = op_inputs(mixer, T, d_model, n_heads, head_dim, batch)
-    gc.collect()
-    base = rss_kib()
-    forward_backward(chunkwise, args, proj)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # ru_maxrss is in KiB on Linux
+    return peak_growth_mib(lambda: forward_backward(chunkwise, args, proj))
 
 
 def bench_mixers(mixers: list[str] = ["mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa"],  # noqa: B006
@@ -233,9 +223,7 @@ def bench_mixers(mixers: list[str] = ["mamba2", "mlstm", "deltanet", "gated_delt
         if r["op"] == "mesa" and r["T"] in gated:
             r["vs_gated_deltanet"] = r["chunk_ms"] / gated[r["T"]]
     if memory:
-        # forkserver, not spawn: an exec'd child inherits its parent's peak RSS in ru_maxrss, a forked one does not.
-        # maxtasksperchild=1 gives each measurement a process of its own.
-        with multiprocessing.get_context("forkserver").Pool(1, maxtasksperchild=1) as pool:
+        with fresh_processes() as pool:
             for r, mixer, cg_steps, cg_tol in measured:
                 r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), dict(shape, cg_steps=cg_steps, cg_tol=cg_tol))
                 r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)

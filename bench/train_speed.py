@@ -1,7 +1,8 @@
-"""Training throughput of one model and its MFU, both measured in the same process.
+"""Training throughput per model and its MFU, every model measured in the same process.
 
 MFU here is the model's analytic training FLOP/s (lm.flops) over the best square-matmul FLOP/s this process
-reaches on the same device, in the same precision: a ratio against measured peak, not a datasheet figure.
+reaches on the same device, in the same precision: a ratio against measured peak, not a datasheet figure. A
+datasheet peak (`peak_flops`, e.g. 989e12 for an H100/H200 in dense bf16) adds a second MFU column.
 """
 
 import json
@@ -10,6 +11,7 @@ import time
 
 import torch
 
+from lm.config import parse_run_config
 from lm.errors import UserError
 from lm.flops import train_flops_per_token
 from lm.model import LanguageModel, LMConfig
@@ -49,38 +51,24 @@ def matmul_flops_per_s(device: torch.device, repeats: int = 3) -> float:
     return best
 
 
-def bench_train(d_model: int = 256, n_layers: int = 4, n_heads: int = 4, head_dim: int = 64, vocab_size: int = 8192,
-                seq_len: int = 256, batch: int = 8, steps: int = 10, warmup: int = 2, mixer: str = "attention",
-                threads: int | None = None, json_out: str | None = None) -> dict:
-    """Time full training steps of a model on random tokens; report tokens/s and MFU.
+def model_configs(mixers: list[str], d_model: list[int], configs: list[str] | None, **shape) -> list[tuple]:
+    """(label, LMConfig) of every model to time: the `model` section of each run config, else every
+    (mixer, width) pair at the given shape."""
+    if configs:
+        return [(path, parse_run_config(["--config", path])[0].model) for path in configs]
+    n_heads = shape.pop("n_heads")
+    return [(f"{m} d{d}", LMConfig(mixer=m, d_model=d, n_heads=n_heads or max(1, d // shape["head_dim"]), **shape))
+            for m in mixers for d in d_model]
 
-    Args:
-        d_model: Width of the residual stream.
-        n_layers: Number of blocks.
-        n_heads: Heads of each mixer.
-        head_dim: Key size per head.
-        vocab_size: Rows of the embedding (and of the tied output head).
-        seq_len: Tokens per training sequence.
-        batch: Sequences per step.
-        steps: Timed training steps.
-        warmup: Untimed training steps run first (allocation, kernel selection).
-        mixer: Sequence mixer of every layer (a name in lm.mixers.MIXERS).
-        threads: CPU threads for torch (torch.set_num_threads); None keeps torch's default.
-        json_out: Also write the result as JSON to this path.
-    """
-    if steps < 1 or warmup < 0 or batch < 1 or seq_len < 1:
-        raise UserError(f"need steps >= 1, warmup >= 0, batch >= 1, seq_len >= 1; got {steps}, {warmup}, "
-                        f"{batch}, {seq_len}")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    peak = matmul_flops_per_s(device)
 
-    cfg = LMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
-                   mixer=mixer, max_seq_len=seq_len)
-    model = LanguageModel(cfg).to(device)
+def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int, steps: int, warmup: int,
+                  activation_checkpointing: bool) -> dict:
+    """Tokens/s of full training steps (forward, loss, backward, AdamW step, zero_grad) on random tokens."""
+    with device:  # build the weights on the device itself: a 1B model initialised on the CPU takes a while
+        model = LanguageModel(cfg)
+    model.activation_checkpointing = activation_checkpointing
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    windows = torch.randint(0, vocab_size, (batch, seq_len + 1), device=device)
+    windows = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=device)
 
     def train_step():
         # bf16 autocast on CUDA matches the bf16 matmul peak; CPU stays fp32 like its peak.
@@ -90,6 +78,8 @@ def bench_train(d_model: int = 256, n_layers: int = 4, n_heads: int = 4, head_di
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
         train_step()
     sync(device)
@@ -98,23 +88,98 @@ def bench_train(d_model: int = 256, n_layers: int = 4, n_heads: int = 4, head_di
         train_step()
     sync(device)
     tokens_per_s = batch * seq_len * steps / (time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"params": model.num_params(), "tokens_per_s": tokens_per_s, "peak_mem_gib": peak}
 
-    flops_per_token = train_flops_per_token(cfg, seq_len)
-    result = {
-        "device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "params": model.num_params(), "d_model": d_model, "n_layers": n_layers, "seq_len": seq_len, "batch": batch,
-        "tokens_per_s": tokens_per_s, "model_flops_per_token": flops_per_token,
-        "model_flops_per_s": flops_per_token * tokens_per_s, "matmul_flops_per_s": peak,
-        "mfu": flops_per_token * tokens_per_s / peak,
-    }
+
+def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  # noqa: B006
+                seq_len: list[int] = [256], configs: list[str] | None = None, n_layers: int = 4,  # noqa: B006
+                n_heads: int | None = None, head_dim: int = 64, vocab_size: int = 8192, batch: int = 8,
+                batch_tokens: int | None = None, steps: int = 10, warmup: int = 2, peak_flops: float | None = None,
+                activation_checkpointing: bool = False, budget_s: float | None = None, threads: int | None = None,
+                json_out: str | None = None) -> dict:
+    """Time full training steps of each model at each length on random tokens; report tokens/s and MFU.
+
+    Args:
+        mixers: Sequence mixer of every layer, one model per mixer (names in lm.mixers.MIXERS).
+        d_model: Widths of the residual stream, one model per width and mixer.
+        seq_len: Tokens per training sequence; every model runs at every length.
+        configs: Run config YAMLs whose `model` section to time instead of mixers x d_model (e.g. the paper
+            sizes in configs/MIXER/400m.yaml); the shape options below then do not apply.
+        n_layers: Number of blocks.
+        n_heads: Heads of each mixer; None: d_model // head_dim.
+        head_dim: Key size per head.
+        vocab_size: Rows of the embedding (and of the tied output head).
+        batch: Sequences per step.
+        batch_tokens: Tokens per step instead of batch: batch = max(1, batch_tokens // seq_len).
+        steps: Timed training steps.
+        warmup: Untimed training steps run first (allocation, kernel selection).
+        peak_flops: Datasheet peak FLOP/s of the device; adds MFU against it (None: only the measured peak).
+        activation_checkpointing: Recompute each block in the backward pass (less memory, about 1/3 more work
+            that MFU does not count).
+        budget_s: Skip the models and lengths not yet started once this many seconds have passed (rows
+            marked "skipped"); None: no limit.
+        threads: CPU threads for torch (torch.set_num_threads); None keeps torch's default.
+        json_out: Also write the result as JSON to this path.
+    """
+    if steps < 1 or warmup < 0 or batch < 1 or min(seq_len, default=0) < 1 or (batch_tokens or 1) < 1:
+        raise UserError(f"need steps >= 1, warmup >= 0, batch >= 1, batch_tokens >= 1 and at least one seq_len, "
+                        f"all >= 1; got {steps}, {warmup}, {batch}, {batch_tokens}, {seq_len}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    models = model_configs(mixers, d_model, configs, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
+                           vocab_size=vocab_size, max_seq_len=max(seq_len))
+    peak = matmul_flops_per_s(device)
+    rows = []
+    for label, cfg in models:
+        for T in seq_len:
+            b = max(1, batch_tokens // T) if batch_tokens else batch
+            row = {"model": label, "mixer": ",".join(sorted(set(cfg.layer_mixers()))), "d_model": cfg.d_model,
+                   "n_layers": cfg.n_layers, "seq_len": T, "batch": b, "status": "ok"}
+            rows.append(row)
+            if budget_s is not None and time.perf_counter() - started > budget_s:
+                row["status"] = "skipped"
+                continue
+            try:
+                row.update(time_training(cfg, device, T, b, steps, warmup, activation_checkpointing))
+            except torch.OutOfMemoryError:
+                row["status"] = "out of memory"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if row["status"] != "ok":
+                continue
+            flops = train_flops_per_token(cfg, T)
+            row.update(model_flops_per_token=flops, model_flops_per_s=flops * row["tokens_per_s"],
+                       mfu=flops * row["tokens_per_s"] / peak,
+                       mfu_datasheet=flops * row["tokens_per_s"] / peak_flops if peak_flops else None)
+    result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "steps": steps, "warmup": warmup,
+              "matmul_flops_per_s": peak, "peak_flops": peak_flops,
+              "activation_checkpointing": activation_checkpointing, "rows": rows}
     print(json.dumps(result, indent=2))
-    print("\n| device | params | d_model | n_layers | seq_len | batch | tokens/s | model GFLOP/s "
-          "| matmul GFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {result['device']} | {result['params'] / 1e6:.2f}M | {d_model} | {n_layers} | {seq_len} | {batch} "
-          f"| {tokens_per_s:,.0f} | {result['model_flops_per_s'] / 1e9:.1f} | {peak / 1e9:.1f} "
-          f"| {result['mfu']:.1%} |")
+    print_table(result)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def print_table(result: dict) -> None:
+    datasheet = result["peak_flops"] is not None
+    print(f"\n{result['device']}, {result['dtype']}, measured matmul peak "
+          f"{result['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s" +
+          (f", datasheet peak {result['peak_flops'] / 1e12:,.0f} TFLOP/s" if datasheet else ""))
+    print("\n| model | params | seq_len | batch | tokens/s | model GFLOP/s | MFU (measured peak) |"
+          + (" MFU (datasheet) |" if datasheet else "") + " peak memory GiB |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if datasheet else "") + "---|")
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            print(f"| {r['model']} | – | {r['seq_len']} | {r['batch']} | {r['status']} | | |"
+                  + (" |" if datasheet else "") + " |")
+            continue
+        mem = "–" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['seq_len']} | {r['batch']} | {r['tokens_per_s']:,.0f} "
+              f"| {r['model_flops_per_s'] / 1e9:,.1f} | {r['mfu']:.1%} |"
+              + (f" {r['mfu_datasheet']:.1%} |" if datasheet else "") + f" {mem} |")

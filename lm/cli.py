@@ -30,6 +30,9 @@ COMMANDS = {
     "generate": "lm.generate:generate_text",
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
+    "bench memory": "bench.memory:bench_memory",
+    "bench data": "bench.data_speed:bench_data",
+    "bench peers": "bench.peers:bench_peers",
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
     "slurm submit": "slurm.submit:submit_from_args",
     "slurm status": "slurm.status:slurm_status",
@@ -56,8 +59,11 @@ commands:
   eval passkey train a tiny attention model on passkey retrieval, then grid it (a check of the probes)
   eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
   generate     sample a continuation from a checkpoint
-  bench train  training tokens/s and MFU
+  bench train  training tokens/s and MFU per mixer, width and length (or per run config)
   bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length
+  bench memory  peak memory of a training step vs length, per mixer
+  bench data   data-loader tokens/s vs a training step's, and data_prep's tokenizing vs tokenizers' encode_batch
+  bench peers  lm vs litgpt's GPT (training step) and mlstm_kernels' native mLSTM (forward+backward), ratios
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
   slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it
   slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint

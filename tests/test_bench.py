@@ -6,30 +6,63 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from bench.train_speed import bench_train
+from lm.flops import train_flops_per_token
+from lm.model import LMConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(d_model=64, n_layers=2, n_heads=2, head_dim=32, seq_len=32, batch=2, steps=2, warmup=1)
+TINY = dict(n_layers=2, n_heads=2, head_dim=32, batch=2, steps=2, warmup=1)
+
+
+def json_part(printed: str) -> dict:
+    return json.loads(printed[: printed.index("\n\n")])  # JSON first, then a blank line and the table
 
 
 def test_bench_train_figures_are_consistent(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    result = bench_train(**TINY, json_out=str(out))
-    for key in ("tokens_per_s", "model_flops_per_token", "model_flops_per_s", "matmul_flops_per_s", "mfu", "params"):
-        assert result[key] > 0, key
-    assert math.isclose(result["model_flops_per_s"], result["tokens_per_s"] * result["model_flops_per_token"])
-    assert math.isclose(result["mfu"], result["model_flops_per_s"] / result["matmul_flops_per_s"])
-    assert (result["d_model"], result["n_layers"], result["seq_len"], result["batch"]) == (64, 2, 32, 2)
+    result = bench_train(mixers=["attention", "mamba2"], d_model=[64], seq_len=[32, 17], **TINY,
+                         peak_flops=1e12, json_out=str(out))
+    rows = result["rows"]
+    assert [(r["mixer"], r["seq_len"]) for r in rows] == [("attention", 32), ("attention", 17), ("mamba2", 32),
+                                                          ("mamba2", 17)]
+    for r in rows:
+        assert r["status"] == "ok" and r["batch"] == 2 and r["d_model"] == 64
+        for key in ("tokens_per_s", "model_flops_per_token", "model_flops_per_s", "mfu", "params"):
+            assert r[key] > 0, key
+        cfg = LMConfig(mixer=r["mixer"], d_model=64, n_layers=2, n_heads=2, head_dim=32, vocab_size=8192,
+                       max_seq_len=32)
+        assert r["model_flops_per_token"] == train_flops_per_token(cfg, r["seq_len"])
+        assert math.isclose(r["model_flops_per_s"], r["tokens_per_s"] * r["model_flops_per_token"])
+        assert math.isclose(r["mfu"], r["model_flops_per_s"] / result["matmul_flops_per_s"])
+        assert math.isclose(r["mfu_datasheet"], r["model_flops_per_s"] / 1e12)
     assert json.loads(out.read_text()) == result
     printed = capsys.readouterr().out
-    assert json.loads(printed[: printed.index("\n|")]) == result  # JSON first, then the markdown row
-    assert "| MFU |" in printed
+    assert json_part(printed) == result
+    assert "| MFU (measured peak) | MFU (datasheet) |" in printed and printed.count("| attention d64 |") == 2
 
 
-def test_cli_bench_prints_json():
-    args = [str(a) for k, v in TINY.items() for a in (f"--{k}", v)]
-    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "train", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout[: proc.stdout.index("\n|")])
-    assert result["tokens_per_s"] > 0
+def test_bench_train_from_run_configs_with_batch_tokens_and_budget(tmp_path):
+    base = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    paths = []
+    for mixer in ("deltanet", "mesa"):
+        base["model"].update(mixer=mixer, d_model=32, n_layers=1, n_heads=2, head_dim=16, vocab_size=256)
+        paths.append(tmp_path / f"{mixer}.yaml")
+        paths[-1].write_text(yaml.safe_dump(base))
+    result = bench_train(configs=[str(p) for p in paths], seq_len=[16, 40], batch_tokens=80, steps=1, warmup=0)
+    assert [(r["model"], r["mixer"], r["seq_len"], r["batch"]) for r in result["rows"]] == [
+        (str(paths[0]), "deltanet", 16, 5), (str(paths[0]), "deltanet", 40, 2),
+        (str(paths[1]), "mesa", 16, 5), (str(paths[1]), "mesa", 40, 2)]
+    assert all(r["status"] == "ok" and r["d_model"] == 32 and r["n_layers"] == 1 for r in result["rows"])
+    skipped = bench_train(mixers=["attention"], d_model=[32], seq_len=[16], budget_s=0, **TINY)
+    assert [r["status"] for r in skipped["rows"]] == ["skipped"] and "tokens_per_s" not in skipped["rows"][0]
+
+
+def test_cli_bench_bad_config_is_one_line(tmp_path):
+    # (The CLI's normal path runs in tests/test_gpu_script.py.)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_modle: 64\n")
+    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "train", "--configs", f"[{bad}]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "d_modle" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -157,7 +157,7 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path)
 
 
 def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data, tmp_path):
-    config = base_config(tmp_path, kjv_data, steps=150, ckpt_every=5)
+    config = base_config(tmp_path, kjv_data, steps=80, ckpt_every=5)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     train(config, reference, *STRATEGIES["ddp"])
 
@@ -172,7 +172,7 @@ def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data
     assert process.returncode == STOPPED_EXIT_CODE, stderr[-2000:]
     assert "stopped on request" in stderr
     step = int(step_checkpoints(stopped / "checkpoints")[0].name[5:13])
-    assert 5 <= step < 150
+    assert 5 <= step < 80
 
     train(config, stopped, *STRATEGIES["ddp"])
     a, b = exported(reference, tmp_path / "a"), exported(stopped, tmp_path / "b")

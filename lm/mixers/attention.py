@@ -5,14 +5,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs (x[..., i], x[..., i + d/2]) of x [B, T, H, d] by angle position * theta^(-2i/d)."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
+    """cos and sin [1, T, 1, head_dim / 2] of the angles position * theta^(-2i/head_dim), shared by q and k."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, d/2]
-    cos = angles.cos()[None, :, None, :].to(x.dtype)
-    sin = angles.sin()[None, :, None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
+    return angles.cos()[None, :, None, :].to(dtype), angles.sin()[None, :, None, :].to(dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., i], x[..., i + d/2]) of x [B, T, H, d] by the angles whose cos and sin are given."""
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
@@ -47,10 +50,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None):
         B, T, _ = x.shape
         seen = 0 if state is None else state[0].shape[2]
-        positions = torch.arange(seen, seen + T, device=x.device)
-        q = rotary(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), positions, self.rope_theta)
-        k = rotary(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim), positions, self.rope_theta)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        cos, sin = rotary_tables(torch.arange(seen, seen + T, device=x.device), self.head_dim, self.rope_theta, q.dtype)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if state is not None:
             k = torch.cat([state[0], k], dim=2)

@@ -45,10 +45,12 @@ def split_chunks(x: torch.Tensor, chunk_size: int, dim: int = 1) -> torch.Tensor
 def to_head_chunks(x: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, T, H, *] -> [B, H, N, C, *] in `dtype`, zero-padding T up to a multiple of C = chunk_size.
 
-    Heads go before chunks so each (batch, head) pair is one contiguous batch of small matmuls.
+    Heads go before chunks so each (batch, head) pair is one contiguous batch of small matmuls. The result is
+    copied into that layout once: a transposed view would be copied again by every matmul that reads it (the
+    Mesa solve reads k twice per CG step).
     """
     x = pad_to_chunks(x.to(dtype), chunk_size, dim=1)
-    return split_chunks(x.transpose(1, 2), chunk_size, dim=2)
+    return split_chunks(x.transpose(1, 2), chunk_size, dim=2).contiguous()
 
 
 def from_head_chunks(x: torch.Tensor, T: int) -> torch.Tensor:

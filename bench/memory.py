@@ -1,0 +1,125 @@
+"""Peak memory of a training step vs sequence length, per mixer (`lm bench memory`).
+
+Each (mixer, T) trains one step of the same small model (every layer that mixer) on random tokens. On CUDA the
+figure is the growth of torch's peak allocated memory during that step; on CPU it is the growth of the process's
+peak RSS, each (mixer, T) in a fresh process so that an earlier, longer run does not hide the peak. Both count what
+grows with T: activations kept for the backward pass, the mixers' chunk states, gradients of the activations.
+Weights, gradients and AdamW's moments exist before the measured step (a short step runs first).
+"""
+
+import gc
+import json
+import multiprocessing
+import resource
+
+import torch
+
+from bench.train_speed import device_name
+from lm.errors import UserError
+from lm.mixers import MIXERS
+from lm.model import LanguageModel, LMConfig
+from lm.module import next_token_loss
+
+
+def rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def peak_growth_mib(fn) -> float:
+    """How far peak memory rises above the current level while fn() runs, in MiB (CUDA: allocated by torch;
+    CPU: RSS, meaningful only in a process whose peak so far is below the current level plus the growth)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = rss_kib()
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # ru_maxrss is in KiB on Linux
+
+
+def fresh_processes():
+    """A pool that runs each task in a process of its own. forkserver, not spawn: an exec'd child inherits its
+    parent's peak RSS in ru_maxrss, a forked one does not. The server imports torch and lm once, so that each
+    task's process starts without importing them again."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["bench.memory", "bench.mixer_speed"])
+    return context.Pool(1, maxtasksperchild=1)
+
+
+def step_peak_mib(cfg: LMConfig, T: int, batch: int) -> float:
+    """Peak memory growth of one training step (forward, loss, backward, AdamW step) at length T, in MiB."""
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        model = LanguageModel(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(length: int):
+        windows = torch.randint(0, cfg.vocab_size, (batch, length + 1), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = next_token_loss(model, windows)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(min(T, 64))  # AdamW's moments, autograd's threads, library buffers: not memory that grows with T
+    return peak_growth_mib(lambda: step(T))
+
+
+def bench_memory(mixers: list[str] = ["attention", "mamba2", "mlstm", "deltanet", "gated_deltanet",  # noqa: B006
+                                      "mesa"],
+                 lengths: list[int] = [512, 2048, 8192], d_model: int = 256, n_layers: int = 2,  # noqa: B006
+                 n_heads: int = 4, head_dim: int = 64, vocab_size: int = 4096, batch: int = 1,
+                 json_out: str | None = None) -> dict:
+    """Peak memory of one training step per mixer and sequence length; the growth per token shows whether it is
+    linear in T.
+
+    Args:
+        mixers: Mixer of every layer, one model per mixer (names in lm.mixers.MIXERS).
+        lengths: Sequence lengths T.
+        d_model: Width of the residual stream.
+        n_layers: Number of blocks.
+        n_heads: Heads of each mixer.
+        head_dim: Key size per head.
+        vocab_size: Rows of the embedding (the logits are [batch, T, vocab] and grow with T too).
+        batch: Sequences per step.
+        json_out: Also write the result as JSON to this path.
+    """
+    unknown = [m for m in mixers if m not in MIXERS]
+    if unknown or batch < 1 or min(lengths, default=0) < 1:
+        raise UserError(f"mixers must be among {', '.join(sorted(MIXERS))} (unknown: {unknown}); batch and "
+                        "lengths (at least one) must be >= 1")
+    shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim, vocab_size=vocab_size,
+                 max_seq_len=max(lengths))
+    rows = []
+    with fresh_processes() as pool:
+        for mixer in mixers:
+            cfg = LMConfig(mixer=mixer, **shape)
+            for T in lengths:
+                mib = pool.apply(step_peak_mib, (cfg, T, batch))
+                rows.append({"mixer": mixer, "T": T, "peak_mib": mib, "mib_per_1k_tokens": mib / (batch * T / 1000)})
+    first = {}
+    for r in rows:  # growth from the shortest length: T-fold for linear memory, T^2-fold for quadratic
+        base = first.setdefault(r["mixer"], r)
+        r["growth_vs_shortest"] = r["peak_mib"] / base["peak_mib"] if base["peak_mib"] > 0 else None
+        r["length_ratio"] = r["T"] / base["T"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "measure": "torch peak allocated" if device.type == "cuda" else "peak RSS growth", **shape,
+              "batch": batch, "rows": rows}
+    print(json.dumps(result, indent=2))
+    print("\n| mixer | T | peak MiB | MiB / 1k tokens | growth vs shortest T (length ratio) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        growth = "–" if r["growth_vs_shortest"] is None else f"{r['growth_vs_shortest']:.2f}"
+        print(f"| {r['mixer']} | {r['T']} | {r['peak_mib']:.1f} | {r['mib_per_1k_tokens']:.2f} "
+              f"| {growth} ({r['length_ratio']:g}) |")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,65 @@
+"""bench.peers at a tiny size: the peers build the same models and compute the same mLSTM (no speed is asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.mixer_speed import op_inputs
+from bench.peers import bench_peers, compare_mlstm, import_peers
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(d_model=64, n_layers=2, n_heads=2, head_dim=32, vocab_size=256, seq_len=32, batch=2, steps=1, warmup=1,
+            mlstm_lengths=[64, 100], repeats=1)  # 100: a ragged last chunk, which the native peer cannot take as is
+
+
+@pytest.fixture
+def one_thread():
+    # Two torch threads on a shared 2-core machine spin against other processes; restore the count for later tests.
+    threads = torch.get_num_threads()
+    yield 1
+    torch.set_num_threads(threads)
+
+
+def test_bench_peers_figures(tmp_path, capsys, one_thread):
+    out = tmp_path / "peers.json"
+    result = bench_peers(**TINY, threads=one_thread, json_out=str(out))
+    g = result["gpt"]
+    # Tied embeddings on both sides and no vocabulary padding: the same parameters, exactly (tolerance 0).
+    assert g["params_lm"] == g["params_litgpt"] > 0
+    assert g["logits_max_abs_diff"] < 1e-4  # the same function (fp32 on CPU) from the same weights
+    for key in ("tokens_per_s_lm", "tokens_per_s_litgpt", "lm_vs_litgpt", "flops_per_token"):
+        assert g[key] > 0, key
+    assert g["lm_vs_litgpt"] == pytest.approx(g["tokens_per_s_lm"] / g["tokens_per_s_litgpt"])
+    m = result["mlstm"]
+    assert (m["K"], m["V"], m["chunk_size"]) == (16, 32, 64)  # d/2 and d split over 2 heads
+    assert [r["T"] for r in m["rows"]] == [64, 100]
+    for r in m["rows"]:
+        assert r["lm_ms"] > 0 and r["native_ms"] > 0
+        assert r["lm_vs_native"] == pytest.approx(r["native_ms"] / r["lm_ms"])
+        assert r["out_max_abs_diff"] < 1e-5  # float32, outputs of size ~1
+        # Gradients differ by O(eps): lm detaches the stabiliser m, the peer differentiates through it.
+        assert r["grad_max_abs_diff"] < 1e-3
+    assert json.loads(out.read_text()) == result
+    printed = capsys.readouterr().out
+    assert json.loads(printed[: printed.index("\nGPT training step")]) == result
+    assert "| lm / litgpt |" in printed and "| lm speed / native |" in printed
+
+
+def test_mlstm_peers_agree_exactly_in_float64_without_eps():
+    # With eps = 0 the stabiliser drops out of the math, so the two are the same function to float64 rounding,
+    # gradients included; T = 100 checks the padding of the ragged chunk.
+    native = import_peers()[2]
+    _, args, proj = op_inputs("mlstm", 100, 64, 2, 0, 1)
+    *_, out_diff, grad_diff = compare_mlstm(native, [a.double() for a in args], proj.double(), eps=0.0, chunk_size=64)
+    assert out_diff < 1e-12 and grad_diff < 1e-12
+
+
+def test_cli_bench_peers_is_registered():
+    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "peers", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--mlstm_lengths" in proc.stdout and "--json_out" in proc.stdout
