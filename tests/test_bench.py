@@ -2,13 +2,12 @@
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
 from bench.train_speed import bench_train
+from lm.cli import main
 from lm.flops import train_flops_per_token
 from lm.model import LMConfig
 
@@ -59,10 +58,10 @@ def test_bench_train_from_run_configs_with_batch_tokens_and_budget(tmp_path):
     assert [r["status"] for r in skipped["rows"]] == ["skipped"] and "tokens_per_s" not in skipped["rows"][0]
 
 
-def test_cli_bench_bad_config_is_one_line(tmp_path):
+def test_cli_bench_bad_config_is_one_line(tmp_path, capsys):
     # (The CLI's normal path runs in tests/test_gpu_script.py.)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  d_modle: 64\n")
-    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "train", "--configs", f"[{bad}]"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "d_modle" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert main(["bench", "train", "--configs", f"[{bad}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "d_modle" in err[0]

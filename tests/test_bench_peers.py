@@ -1,17 +1,14 @@
 """bench.peers at a tiny size: the peers build the same models and compute the same mLSTM (no speed is asserted)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from bench.mixer_speed import op_inputs
 from bench.peers import bench_peers, compare_mlstm, import_peers
+from lm.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(d_model=64, n_layers=2, n_heads=2, head_dim=32, vocab_size=256, seq_len=32, batch=2, steps=1, warmup=1,
             mlstm_lengths=[64, 100], repeats=1)  # 100: a ragged last chunk, which the native peer cannot take as is
 
@@ -58,8 +55,9 @@ def test_mlstm_peers_agree_exactly_in_float64_without_eps():
     assert out_diff < 1e-12 and grad_diff < 1e-12
 
 
-def test_cli_bench_peers_is_registered():
-    proc = subprocess.run([sys.executable, "-m", "lm.cli", "bench", "peers", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "--mlstm_lengths" in proc.stdout and "--json_out" in proc.stdout
+def test_cli_bench_peers_is_registered(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "peers", "--help"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "--mlstm_lengths" in printed and "--json_out" in printed
