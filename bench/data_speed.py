@@ -104,7 +104,7 @@ def bench_data(data: str | None = None, seq_len: int = 256, micro_batch: int = 8
     result = {
         "device": device_name(torch.device("cpu")), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "data": sources, "documents": len(docs), "tokens": n_tokens, "seq_len": seq_len, "micro_batch": micro_batch,
-        "num_workers": num_workers, "model": {"d_model": d_model, "n_layers": n_layers, "params_vocab": cfg.vocab_size},
+        "num_workers": num_workers, "model": {"d_model": d_model, "n_layers": n_layers, "vocab_size": cfg.vocab_size},
         "loader_tokens_per_s": loader, "train_tokens_per_s": train, "loader_over_train": loader / train,
         "encode_batch_tokens_per_s": n_tokens / seconds["encode_batch"],
         "data_prep_tokens_per_s": n_tokens / seconds["data_prep"],
