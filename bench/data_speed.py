@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from bench.timing import best_interleaved
 from bench.train_speed import device_name, time_training
 from data_prep.prepare import encode, prepare
 from data_prep.shards import load_manifest
@@ -34,17 +35,6 @@ def loader_tokens_per_s(path: str, seq_len: int, micro_batch: int, num_workers: 
     for _ in range(batches):
         next(it)
     return batches * micro_batch * seq_len / (time.perf_counter() - t0)
-
-
-def best_seconds(fns: dict, repeats: int) -> dict:
-    """Best wall time of each callable, the callables taking turns so that machine noise hits all of them."""
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def bench_data(data: str | None = None, seq_len: int = 256, micro_batch: int = 8, num_workers: int = 1,
@@ -93,10 +83,10 @@ def bench_data(data: str | None = None, seq_len: int = 256, micro_batch: int = 8
         docs = list(iter_documents(sources))
         texts = [text for text, _ in docs]
         n_tokens = sum(len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False))
-        seconds = best_seconds({
+        seconds = best_interleaved({
             "encode_batch": lambda: tok.encode_batch(texts, add_special_tokens=False),
             "data_prep": lambda: list(encode(docs, tok, sep_id, manifest["dtype"], batch_docs, {"replaced": 0})),
-        }, repeats)
+        }, repeats, torch.device("cpu"))
         t0 = time.perf_counter()
         prepare(sources, out=str(Path(tmp) / "again"), tokenizer=str(Path(data) / "tokenizer.json"), progress=False)
         whole_prepare = n_tokens / (time.perf_counter() - t0)

@@ -24,16 +24,14 @@ otherwise). The reported max abs differences of outputs and input gradients show
 
 import importlib.metadata
 import json
-import math
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from bench.mixer_speed import op_inputs
-from bench.train_speed import device_name, sync
+from bench.timing import best_interleaved
+from bench.train_speed import device_name
 from lm.errors import UserError
 from lm.flops import train_flops_per_token
 from lm.mixers import MLSTM
@@ -91,20 +89,6 @@ def litgpt_twin(GPT, Config, model: LanguageModel):
                   h + "mlp.fc_2.weight": mlp.up_proj.weight, h + "mlp.proj.weight": mlp.down_proj.weight}
     gpt.load_state_dict({k: v.detach() for k, v in state.items()})  # strict: every parameter has its lm twin
     return gpt
-
-
-def best_interleaved(calls: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Best wall seconds of each call over `repeats` rounds; in each round every call runs once, in alternating
-    order, so a slow spell of a shared machine falls on both sides rather than on one."""
-    best = dict.fromkeys(calls, math.inf)
-    for r in range(repeats):
-        for name in list(calls) if r % 2 == 0 else reversed(list(calls)):
-            sync(device)
-            t0 = time.perf_counter()
-            calls[name]()
-            sync(device)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch, steps, warmup, repeats,
