@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lm.config_errors import error_line
 from lm.errors import UserError
 from lm.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
 
@@ -89,8 +90,6 @@ def function_parser(fn: Callable, prog: str, positional: bool = False) -> Argume
 
 def call_with_args(fn: Callable, argv: list[str], prog: str, positional: bool = False):
     """Parse argv against fn's signature (and --config YAML), then call fn."""
-    from lm.config import error_line
-
     parser = function_parser(fn, prog, positional)
     try:
         namespace = parser.parse_args(argv)

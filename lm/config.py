@@ -1,11 +1,10 @@
 """The training run's configuration: dataclasses read from YAML + command-line overrides by jsonargparse."""
 
-import difflib
-import re
 from dataclasses import dataclass, field
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from lm.config_errors import error_line
 from lm.data import DataConfig
 from lm.errors import UserError
 from lm.model import LMConfig
@@ -78,31 +77,6 @@ def train_parser() -> ArgumentParser:
                         help="'auto': continue from the newest checkpoint of run_dir if there is one; "
                              "'last': the same, but there must be one; or a checkpoint path.")
     return parser
-
-
-def known_keys(parser: ArgumentParser) -> list[str]:
-    """Every dotted key the parser accepts (model.d_model, optim.lr, ...)."""
-    keys = []
-    for action in parser._actions:
-        keys += [s.lstrip("-") for s in action.option_strings if s.startswith("--")]
-    return keys
-
-
-def error_line(parser: ArgumentParser, err: Exception) -> str:
-    """jsonargparse's error as one line, with the closest valid key suggested for an unknown one."""
-    message = " ".join(str(err).split())
-    unknown = re.findall(r"Group '([\w.]+)' does not accept option '(\w+)'", message)
-    names = [f"{group}.{option}" for group, option in unknown]
-    names += re.findall(r"Option '([\w.]+)' is not accepted", message)
-    names += re.findall(r"--([\w.]+)", message.split("unrecognized arguments:", 1)[1]) \
-        if "unrecognized arguments:" in message else []
-    if names:
-        hints = []
-        for name in names:
-            close = difflib.get_close_matches(name, known_keys(parser), n=1, cutoff=0.5)
-            hints.append(f"unknown config key '{name}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-        return "; ".join(hints)
-    return message[:400]
 
 
 def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:

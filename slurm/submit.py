@@ -20,6 +20,7 @@ import jinja2
 import yaml
 from jsonargparse import ArgumentParser
 
+from lm.config_errors import error_line
 from lm.errors import UserError
 from slurm import scheduler
 
@@ -187,8 +188,6 @@ def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None) -> Pl
     try:
         namespace = parser.parse_args(command[1:])
     except Exception as err:
-        from lm.config import error_line
-
         raise UserError(error_line(parser, err)) from None
     checkpoint = namespace.get("checkpoint")
     if job_dir is None and checkpoint is None:
@@ -223,8 +222,6 @@ def render(kind: str, runs: list[PlannedRun], opts: SlurmOptions, job_dir: Path,
 
 def submit_from_args(argv: list[str]) -> str | None:
     """`lm slurm submit`; prints and returns the job id (None for --dry_run)."""
-    from lm.config import error_line
-
     own, command = split_argv(argv)
     parser = submit_parser()
     try:

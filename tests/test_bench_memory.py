@@ -8,14 +8,17 @@ from bench.memory import bench_memory, fresh_processes, peak_growth_mib
 
 
 def allocate_and_touch(mib: int) -> float:
+    # A first, small run pages in the kernels' code and starts the thread pool, as step_peak_mib's warm-up step
+    # does: on a busy machine those alone add tens of MiB to the first reading.
+    torch.ones(2**16).sum()
     return peak_growth_mib(lambda: torch.ones(mib * 2**20 // 4).sum())  # ones() writes every page
 
 
 def test_peak_growth_sees_a_known_allocation():
     with fresh_processes() as pool:
         small, big = pool.apply(allocate_and_touch, (8,)), pool.apply(allocate_and_touch, (96,))
-    assert 90 <= big <= 110, big  # 96 MiB of float32, give or take the allocator and a few pages
-    assert big - small > 80
+    # 96 MiB and 8 MiB of float32: what is not the tensor (allocator, stray pages) is about the same in both runs.
+    assert big >= 90 and 80 <= big - small <= 100, (small, big)
 
 
 def test_bench_memory_rows(tmp_path):

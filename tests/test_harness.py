@@ -196,16 +196,17 @@ def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(tra
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    manager = TaskManager(include_path=str(fixture_tasks), include_defaults=False)  # lm-eval's own: 10 s to index
     results = lm_eval.simple_evaluate(
         model="lm", model_args=f"checkpoint={trained_run},batch_size=4", tasks=list(FIXTURE_TASKS),
-        task_manager=TaskManager(include_path=str(fixture_tasks)), bootstrap_iters=0)["results"]
+        task_manager=manager, bootstrap_iters=0)["results"]
     assert 0 <= results["lm_fixture_choice"]["acc,none"] <= 1
     assert results["lm_fixture_rolling"]["word_perplexity,none"] > 1
     assert results["lm_fixture_generate"]["exact_match,none"] in (0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0)
     # The same scores through the Python API with a model object: the checkpoint loads as the model it is.
     again = lm_eval.simple_evaluate(
         model=LMHarness(checkpoint=str(trained_run), batch_size=1), tasks=["lm_fixture_choice"],
-        task_manager=TaskManager(include_path=str(fixture_tasks)), bootstrap_iters=0)["results"]
+        task_manager=manager, bootstrap_iters=0)["results"]
     assert again["lm_fixture_choice"]["acc,none"] == results["lm_fixture_choice"]["acc,none"]
     # And through lm-eval's own command line, which finds the installed model by name.
     cli = run_lm_eval_cli(trained_run, fixture_tasks, list(FIXTURE_TASKS))

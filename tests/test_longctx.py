@@ -104,7 +104,8 @@ def test_the_probes_as_lm_eval_tasks_give_the_same_generations_and_scores(kjv_da
                    max_new_tokens=6, out=str(out))
     evaluated = lm_eval.simple_evaluate(
         model=LMHarness(checkpoint=str(tmp_path / "model")), tasks=["longctx_passkey", "longctx_mqar"],
-        task_manager=TaskManager(include_path=str(out / "lm_eval")), log_samples=True, bootstrap_iters=0)
+        task_manager=TaskManager(include_path=str(out / "lm_eval"), include_defaults=False), log_samples=True,
+        bootstrap_iters=0)
     for probe, row in zip(["passkey", "mqar"], rows):
         ours = [json.loads(line) for line in (out / f"{probe}-outputs.jsonl").read_text().splitlines()]
         theirs = sorted(evaluated["samples"][f"longctx_{probe}"], key=lambda s: s["doc_id"])

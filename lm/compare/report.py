@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lm.compare.lr_grid import ArchGroup, group_runs
 from lm.compare.run_results import RunResults, check_run_dir, read_run
+from lm.config_errors import error_line
 from lm.errors import UserError
 
 NOTES = [
@@ -178,7 +179,5 @@ def report_from_args(argv: list[str]) -> Path:
     try:
         namespace = parser.parse_args(argv)
     except Exception as err:
-        from lm.config import error_line  # torch and lightning come with it: only for an error
-
         raise UserError(error_line(parser, err)) from None
     return report(**namespace.as_dict())
