@@ -44,6 +44,15 @@ def test_attention_grouped_query_heads_keep_the_contract(n_kv_heads):
     torch.testing.assert_close(run_in_pieces(mixer, x, range(1, 19)), full, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("name, options", [("mlstm", {"conv_size": 4})])
+def test_options_that_add_state_keep_the_contract(name, options):
+    mixer = build(name, **options)
+    x = torch.randn(2, 19, D, dtype=torch.float64)
+    full, _ = mixer(x)
+    torch.testing.assert_close(run_in_pieces(mixer, x, [5, 6]), full, rtol=0, atol=1e-10)
+    torch.testing.assert_close(run_in_pieces(mixer, x, range(1, 19)), full, rtol=0, atol=1e-10)
+
+
 def test_attention_is_causal():
     mixer = build("attention")
     x = torch.randn(1, 12, D, dtype=torch.float64)

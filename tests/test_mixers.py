@@ -12,7 +12,7 @@ from lm.schedule import OptimConfig
 OPTIONS = {
     "attention": [{}, {"n_kv_heads": 2}],
     "mamba2": [{}, {"expand": 1.5, "n_groups": 2, "conv_size": 3}],
-    "mlstm": [{}, {"qk_dim_factor": 1.0, "v_dim_factor": 0.5}],
+    "mlstm": [{}, {"qk_dim_factor": 1.0, "v_dim_factor": 0.5, "conv_size": 4}],
     "deltanet": [{}, {"expand_v": 2.0, "conv_size": 2}],
     "gated_deltanet": [{}, {"expand_v": 1.0}],
     "mesa": [{}, {"expand_v": 2.0, "conv_v": True, "output_gate": True}],

@@ -3,13 +3,10 @@
 import pytest
 import torch
 
-from eval.mqar import STEPS, MQARTask, mqar_batch, train_mqar
+from eval.mqar import OPTIONS, STEPS, MQARTask, mqar_batch, train_mqar
 from lm.mixers import MIXERS
 
 TASK = MQARTask(vocab=32, pairs=4)
-# Known gap (see docs/mqar.md): at this width mLSTM (xLSTM 7B's block, no short convolution) stays near 35%.
-# Strict, so a fix shows up as a failure here to remove the mark.
-BELOW_90 = {"mlstm"}
 # Fewer steps than `lm eval mqar` takes where fewer already clear 90% by a wide margin, to keep the suite short
 # (measured on Dec 3 2026, seed 0, see docs/mqar.md).
 TEST_STEPS = {**STEPS, "deltanet": 200, "gated_deltanet": 200, "mesa": 150}
@@ -30,8 +27,8 @@ def test_mqar_batches_score_only_the_answers():
             assert context[int(inputs[row, pos])] == int(targets[row, pos])  # the queried key's value
 
 
-@pytest.mark.parametrize("mixer", [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="known MQAR gap"))
-                                   if m in BELOW_90 else m for m in sorted(MIXERS)])
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
 def test_each_mixer_learns_mqar(mixer):
-    result = train_mqar(mixer, TASK, steps=TEST_STEPS[mixer], batch=64, lr=3e-3)
+    # With `lm eval mqar`'s options: mLSTM with a short convolution (xLSTM 7B's block has none; docs/mqar.md).
+    result = train_mqar(mixer, TASK, steps=TEST_STEPS[mixer], batch=64, lr=3e-3, mixer_options=OPTIONS.get(mixer))
     assert result["accuracy"] > 0.9, result

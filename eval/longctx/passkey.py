@@ -78,7 +78,7 @@ class PasskeyModule(L.LightningModule):
         return [optimizer], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, factor), "interval": "step"}]
 
 
-def passkey(data: str, out: str, length: int = 256, steps: int = 2000, batch_size: int = 16, lr: float = 3e-3,
+def passkey(data: str, out: str, length: int = 256, steps: int = 3000, batch_size: int = 16, lr: float = 3e-3,
             d_model: int = 128, n_layers: int = 2, eval_lengths: list[int] | None = None,
             depths: list[float] = [0.0, 0.25, 0.5, 0.75, 1.0], samples: int = 10,  # noqa: B006
             seed: int = 0) -> list[dict]:

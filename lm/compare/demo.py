@@ -65,7 +65,9 @@ def mqar_job(json_out: Path, steps: int | None, log: Path, threads: int) -> dict
     worker_setup(log, threads)
     from eval.mqar import mqar_table
 
-    rows = mqar_table(mixers=list(ARCHS), steps=steps, json_out=str(json_out))
+    # The blocks as trained here, each with its defaults (not eval.mqar.OPTIONS: mLSTM stays xLSTM 7B's).
+    rows = mqar_table(mixers=list(ARCHS), steps=steps, mixer_options={name: {} for name in ARCHS},
+                      json_out=str(json_out))
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import no_weight_decay
+from lm.mixers.layers import ShortConv, no_weight_decay
 from lm.ops import mlstm, mlstm_recurrent
 from lm.ops.common import compute_dtype
 
@@ -20,23 +20,31 @@ class MLSTM(nn.Module):
 
     head_dim is not used: as in xLSTM 7B, the head sizes follow d_model and the dim factors.
 
-    Parameters, with QK = qk_dim_factor * d_model, V = v_dim_factor * d_model:
+    conv_size > 0 adds the short causal convolution + SiLU of the first xLSTM paper's mLSTM block (Beck et al.,
+    2024): q and k are computed from conv(x), v and the gates from x. xLSTM 7B dropped it (conv_size 0, the
+    default). With it, one layer can bind a token to the one before it, as MQAR needs (docs/mqar.md).
+
+    Parameters, with QK = qk_dim_factor * d_model, V = v_dim_factor * d_model, W = conv_size:
         d_model * (2 QK + V)           q, k, v
       + 2 (d_model * n_heads + n_heads) input and forget gates (with biases)
       + d_model * V                    output gate
       + V                              norm
       + V * d_model                    output projection
+      + d_model * W                    conv (if any)
+
+    State: {"cell": the mLSTM's (C, n, m), "conv": the conv's last W - 1 inputs (if any)}.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0,
                  qk_dim_factor: float = 0.5, v_dim_factor: float = 1.0, gate_soft_cap: float | None = 15.0,
-                 eps: float = 1e-6, chunk_size: int = 64, backend: str = "auto"):
+                 eps: float = 1e-6, conv_size: int = 0, chunk_size: int = 64, backend: str = "auto"):
         super().__init__()
         qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
         if qk % n_heads or v % n_heads:
             raise ValueError(f"q/k width {qk} and v width {v} must be multiples of n_heads {n_heads}")
         self.n_heads, self.qk_head, self.v_head = n_heads, qk // n_heads, v // n_heads
         self.gate_soft_cap, self.eps, self.chunk_size, self.backend = gate_soft_cap, eps, chunk_size, backend
+        self.conv = ShortConv(d_model, conv_size) if conv_size > 0 else None
         self.q_proj = nn.Linear(d_model, qk, bias=False)
         self.k_proj = nn.Linear(d_model, qk, bias=False)
         self.v_proj = nn.Linear(d_model, v, bias=False)
@@ -54,23 +62,28 @@ class MLSTM(nn.Module):
             self.igate.bias.fill_(-10.0)
             self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
 
-    def forward(self, x: torch.Tensor, state=None):
+    def forward(self, x: torch.Tensor, state: dict | None = None):
         B, T, _ = x.shape
         H = self.n_heads
-        q = self.q_proj(x).view(B, T, H, self.qk_head)
-        k = self.k_proj(x).view(B, T, H, self.qk_head)
+        state, new_state = state or {}, {}
+        qk_in = x
+        if self.conv is not None:
+            qk_in, new_state["conv"] = self.conv(x, state.get("conv"))
+        q = self.q_proj(qk_in).view(B, T, H, self.qk_head)
+        k = self.k_proj(qk_in).view(B, T, H, self.qk_head)
         v = self.v_proj(x).view(B, T, H, self.v_head)
         i_pre = soft_cap(self.igate(x).to(compute_dtype(x)), self.gate_soft_cap)
         f_pre = soft_cap(self.fgate(x).to(compute_dtype(x)), self.gate_soft_cap)
-        if T == 1 and state is not None:
-            h, state = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state)
+        if T == 1 and "cell" in state:
+            h, new_state["cell"] = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state["cell"])
         else:
-            h, state = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state, chunk_size=self.chunk_size,
-                             backend=self.backend)
+            h, new_state["cell"] = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state.get("cell"),
+                                         chunk_size=self.chunk_size, backend=self.backend)
         h = F.rms_norm(h, (self.v_head,), eps=1e-6).reshape(B, T, -1) * self.norm_weight
-        return self.out_proj(h * torch.sigmoid(self.ogate(x))), state
+        return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
 
     @staticmethod
-    def param_count(d_model, n_heads, head_dim=0, qk_dim_factor=0.5, v_dim_factor=1.0, **_) -> int:
+    def param_count(d_model, n_heads, head_dim=0, qk_dim_factor=0.5, v_dim_factor=1.0, conv_size=0, **_) -> int:
         qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
-        return d_model * (2 * qk + v) + 2 * (d_model * n_heads + n_heads) + d_model * v + v + v * d_model
+        return (d_model * (2 * qk + v) + 2 * (d_model * n_heads + n_heads) + d_model * v + v + v * d_model
+                + d_model * conv_size)
