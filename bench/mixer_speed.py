@@ -111,12 +111,15 @@ def op_inputs(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, bat
     return op, args, torch.randn(batch, T, n_heads, V)
 
 
-def forward_backward(fn, args: list, proj: torch.Tensor) -> None:
+def forward_backward(fn, args: list, proj: torch.Tensor) -> torch.Tensor:
+    """fn(*args)[0] (detached; fn returns (output, ...) as lm's ops do) after the backward pass of a random
+    projection of it into the .grad of args: every output element sends back a different gradient."""
     for a in args:
         if isinstance(a, torch.Tensor):
             a.grad = None
-    # A random projection of the outputs as the loss, so every output element sends back a different gradient.
-    (fn(*args)[0] * proj).sum().backward()
+    out = fn(*args)[0]
+    (out * proj).sum().backward()
+    return out.detach()
 
 
 def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = math.inf) -> float:

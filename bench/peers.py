@@ -29,7 +29,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.mixer_speed import op_inputs
+from bench.mixer_speed import forward_backward, op_inputs
 from bench.timing import best_interleaved
 from bench.train_speed import device_name
 from lm.errors import UserError
@@ -140,29 +140,20 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.detach().transpose(1, 2).contiguous()
 
 
-def lm_mlstm(q, k, v, i_pre, f_pre, eps: float, chunk_size: int) -> torch.Tensor:
-    """lm's chunkwise mLSTM output (the torch code, whatever the device and dtype), inputs [B, T, H, *]."""
-    return mlstm(q, k, v, i_pre, f_pre, eps=eps, chunk_size=chunk_size, backend="torch")[0]
+def lm_mlstm(q, k, v, i_pre, f_pre, eps: float, chunk_size: int) -> tuple:
+    """lm's chunkwise mLSTM (the torch code, whatever the device and dtype): (output, final state), inputs
+    [B, T, H, *]."""
+    return mlstm(q, k, v, i_pre, f_pre, eps=eps, chunk_size=chunk_size, backend="torch")
 
 
-def native_mlstm(native, q, k, v, i_pre, f_pre, eps: float, chunk_size: int) -> torch.Tensor:
-    """mlstm_kernels' native chunkwise mLSTM output, inputs [B, H, T, *]. It needs whole chunks: a ragged T is
+def native_mlstm(native, q, k, v, i_pre, f_pre, eps: float, chunk_size: int) -> tuple:
+    """mlstm_kernels' native chunkwise mLSTM: (output,), inputs [B, H, T, *]. It needs whole chunks: a ragged T is
     zero-padded at the end and the output cut back, which leaves the outputs before T as they are (causality)."""
     T, pad = q.shape[2], -q.shape[2] % chunk_size
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         i_pre, f_pre = F.pad(i_pre, (0, pad)), F.pad(f_pre, (0, pad))
-    return native(q, k, v, i_pre, f_pre, eps=eps, chunk_size=chunk_size)[:, :, :T]
-
-
-def forward_backward(fn, args: list[torch.Tensor], proj: torch.Tensor) -> torch.Tensor:
-    """fn's output (detached) after the backward pass of a random projection of it (so every output element sends
-    back its own gradient) into the .grad of args."""
-    for a in args:
-        a.grad = None
-    out = fn(*args)
-    (out * proj).sum().backward()
-    return out.detach()
+    return (native(q, k, v, i_pre, f_pre, eps=eps, chunk_size=chunk_size)[:, :, :T],)
 
 
 def compare_mlstm(native, args: list[torch.Tensor], proj: torch.Tensor, eps: float, chunk_size: int) -> tuple:
