@@ -21,9 +21,10 @@ from lm.data import TokenStream, ValidationWindows
 from lm.errors import UserError
 
 
-def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tuple[np.ndarray, int]:
-    """(mean NLL at each of the seq_len positions in float64, number of windows)."""
-    total, count = None, 0
+def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tuple[np.ndarray, int, dict]:
+    """(mean NLL at each of the seq_len positions in float64, number of windows, the mixers' own statistics over the
+    batches: `LanguageModel.mixer_metrics`, averaged, or the max for names ending in "_max")."""
+    total, count, reported = None, 0, {}
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))])
@@ -31,9 +32,13 @@ def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tupl
             nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
             total = nll.sum(0).double() if total is None else total + nll.sum(0).double()
             count += batch.shape[0]
+            for name, value in model.mixer_metrics().items():
+                reported.setdefault(name, []).append(value)
     if not count:
         raise UserError("no evaluation window: the split has fewer than seq_len + 1 tokens")
-    return (total / count).numpy(), count
+    metrics = {name: float(torch.stack(values).amax() if name.endswith("_max") else torch.stack(values).mean())
+               for name, values in reported.items()}
+    return (total / count).numpy(), count, metrics
 
 
 def log_spaced_positions(seq_len: int, n: int = 48) -> list[int]:
@@ -136,7 +141,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     by_length = {}
     for multiple in multiples:
         length = seq_len * multiple
-        nll, n_windows = per_position_nll(model, ValidationWindows(stream, length, max_windows), batch_size)
+        nll, n_windows, mixer_metrics = per_position_nll(model, ValidationWindows(stream, length, max_windows),
+                                                         batch_size)
         running = np.cumsum(nll) / np.arange(1, len(nll) + 1)
         rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1])}
                 for k in log_spaced_positions(length)]
@@ -144,6 +150,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": length,
                   "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
                   "ppl": math.exp(loss)}
+        if mixer_metrics:
+            result["mixer_metrics"] = mixer_metrics
         name = f"ppl-{split}-T{length}"
         out_dir = run_dir / "eval" / name if out is None else Path(out) if len(multiples) == 1 else Path(out) / name
         out_dir.mkdir(parents=True, exist_ok=True)

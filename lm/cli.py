@@ -35,6 +35,8 @@ COMMANDS = {
     "bench data": "bench.data_speed:bench_data",
     "bench peers": "bench.peers:bench_peers",
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
+    "bench mesa-ablation": "bench.mesa_ablation:mesa_ablation",
+    "bench ab": "bench.op_ab:bench_ab",
     "slurm submit": "slurm.submit:submit_from_args",
     "slurm status": "slurm.status:slurm_status",
     "compare plan": "lm.compare.plan:plan",
@@ -66,6 +68,8 @@ commands:
   bench data   data-loader tokens/s vs a training step's, and data_prep's tokenizing vs tokenizers' encode_batch
   bench peers  lm vs litgpt's GPT (training step) and mlstm_kernels' native mLSTM (forward+backward), ratios
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
+  bench ab     a sequence op of the working tree against the same op at a git revision: old / new time, one run
+  bench mesa-ablation  Mesa's gate init, output gate, CG stopping and lr against Gated DeltaNet (~2 h on 2 cores)
   slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it
   slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint
   compare plan  shapes matched in parameters or FLOPs, tokens per budget, configs + a sweep per lr and seed

@@ -74,22 +74,24 @@ def _mesa_parts(chunk: int, k: int, v: int) -> tuple[float, float, float]:
 
 
 def mesa_op_flops(chunk: int, k: int, v: int, cg_steps: int) -> float:
-    """Per (padded) token and head: the key state, cg_steps + 1 matvecs (one for the starting residual) and the
-    readout. cg_steps = 0 is the readout alone (plus H_T, 2K^2 per real token, added by `op_flops`)."""
+    """Per (padded) token and head: the key state, cg_steps + 2 matvecs (one for the starting residual, one for the
+    true residual that the Mesa mixer's telemetry asks for) and the readout. cg_steps = 0 is the readout alone (plus
+    H_T, 2K^2 per real token, added by `op_flops`)."""
     if cg_steps == 0:
         return linear_attention_op_flops(chunk, k, v)
     setup, matvec, readout = _mesa_parts(chunk, k, v)
-    return setup + (cg_steps + 1) * matvec + readout
+    return setup + (cg_steps + 2) * matvec + readout
 
 
 def mesa_op_train_flops(chunk: int, k: int, v: int, cg_steps: int) -> float:
     """Forward + backward per (padded) token and head. The backward (lm/ops/mesa.py) is the right-hand side G_t^T do_t
     (a linear attention), the key state again and the adjoint CG solve, then the surrogate: the readouts G_t x and
-    H_t x recomputed and differentiated with x held constant, which skips the query gradient of q k^T (2CK each)."""
+    H_t x recomputed and differentiated with x held constant, which skips the query gradient of q k^T (2CK each).
+    The adjoint solve measures its true residual too."""
     if cg_steps == 0:
         return 3 * mesa_op_flops(chunk, k, v, 0)
     setup, matvec, readout = _mesa_parts(chunk, k, v)
-    solve = setup + (cg_steps + 1) * matvec
+    solve = setup + (cg_steps + 2) * matvec
     key_readout = linear_attention_op_flops(chunk, k, k)
     surrogate = 3 * (readout + key_readout) - 2 * (2 * chunk * k)
     return mesa_op_flops(chunk, k, v, cg_steps) + readout + solve + surrogate

@@ -136,6 +136,19 @@ class LanguageModel(nn.Module):
         model.load_state_dict(load_file(str(directory / "model.safetensors")))
         return model.eval()
 
+    def mixer_metrics(self) -> dict[str, torch.Tensor]:
+        """What the mixers report about their last call (each mixer's optional `metrics()`), as 0-dim tensors with
+        no host sync: "layer{i}/{name}" per block, and "{name}" over the blocks that report it, the mean (the max
+        for names ending in "_max")."""
+        per_layer, by_name = {}, {}
+        for i, block in enumerate(self.blocks):
+            for name, value in (block.mixer.metrics() if hasattr(block.mixer, "metrics") else {}).items():
+                per_layer[f"layer{i}/{name}"] = value
+                by_name.setdefault(name, []).append(value)
+        overall = {name: torch.stack(values).amax() if name.endswith("_max") else torch.stack(values).mean()
+                   for name, values in by_name.items()}
+        return {**overall, **per_layer}
+
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings else n - self.embed.weight.numel()

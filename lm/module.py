@@ -19,15 +19,6 @@ def next_token_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
 
 
-def cg_stats(model: torch.nn.Module) -> dict[str, float]:
-    """Mean CG iterations and relative residual over the Mesa layers of the last forward (empty without any)."""
-    infos = [m.last_cg_info for m in model.modules() if getattr(m, "last_cg_info", None) is not None]
-    if not infos:
-        return {}
-    return {"cg_iterations": sum(float(i["iterations"]) for i in infos) / len(infos),
-            "cg_residual": sum(float(i["residual"]) for i in infos) / len(infos)}
-
-
 class LMModule(L.LightningModule):
     def __init__(self, model: LMConfig | dict, optim: OptimConfig | dict, max_steps: int,
                  activation_checkpointing: bool = False, compile: bool = False):
@@ -66,15 +57,20 @@ class LMModule(L.LightningModule):
         self.log("train/loss", mean_loss, prog_bar=True)
         self.log("train/ppl", torch.exp(mean_loss.clamp(max=50.0)))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
-        for key, value in cg_stats(self.model).items():
-            self.log(f"train/{key}", value)
         return loss
+
+    def on_after_backward(self):
+        """The mixers' own statistics (`metrics()`, e.g. Mesa's forward and adjoint solves), logged after the backward
+        so that what it measured is there too. Tensors, so nothing syncs with the host until a log line is written."""
+        for key, value in self.model.mixer_metrics().items():
+            self.log(f"train/{key}", value)
 
     def validation_step(self, batch, batch_idx):
         loss = next_token_loss(self.model, batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
-        for key, value in cg_stats(self.model).items():
-            self.log(f"val/{key}", value, sync_dist=True, batch_size=batch.shape[0])
+        for key, value in self.model.mixer_metrics().items():
+            self.log(f"val/{key}", value, sync_dist=True, batch_size=batch.shape[0],
+                     reduce_fx="max" if key.endswith("_max") else "mean")
 
     def on_validation_epoch_end(self):
         loss = self.trainer.callback_metrics.get("val/loss")

@@ -100,7 +100,9 @@ def op_case(name, B, T, H, K, V, C):
     steps = int(name.removeprefix("mesa_cg"))
     q, k, v, gamma, beta = op_inputs(B, T, H, K, V, 2)
     lam = torch.ones(H, K, requires_grad=True)
-    call = lambda: ops.mesa(q, k, v, gamma.log(), beta, lam, cg_steps=steps, chunk_size=C, backend="torch")[0]
+    # As the Mesa mixer calls it: with return_info, which measures each solve's true residual (one more matvec).
+    call = lambda: ops.mesa(q, k, v, gamma.log(), beta, lam, cg_steps=steps, chunk_size=C, backend="torch",
+                            return_info=True)[0]
     final_key_state = 0 if steps else B * T * H * 2 * K * K  # cg_steps=0 still carries H_T (no loss reads it)
     return (call, tokens * flops.mesa_op_flops(C, K, V, steps) + final_key_state,
             tokens * flops.mesa_op_train_flops(C, K, V, steps) + final_key_state)

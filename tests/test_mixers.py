@@ -1,6 +1,8 @@
 """Each mixer's parameter-count formula (its docstring) equals the built module, with default and other
 options; decay parameters are excluded from weight decay; the recurrent mixers run in bf16."""
 
+import math
+
 import pytest
 import torch
 
@@ -46,3 +48,16 @@ def test_bf16_forward_and_backward_are_finite(name):
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     y.float().square().mean().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("init, memories", [("narrow", [1 + math.exp(3), 1 + math.exp(6)]), ("zero", [2.0, 2.0]),
+                                            ("spread", [2.0, 512.0])])
+def test_mesa_gate_inits_give_the_memories_they_name(init, memories):
+    """gamma at a zero input is sigmoid(bias); the memory 1 / (1 - gamma) of the first and last head."""
+    mixer = MIXERS["mesa"](32, 4, 8, 0, gamma_init=init)
+    gamma = torch.sigmoid(mixer.gamma_proj.bias.double())
+    memory = 1 / (1 - gamma)
+    torch.testing.assert_close(memory[[0, -1]], torch.tensor(memories, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert (memory.diff() >= 0).all()
+    with pytest.raises(ValueError, match="gamma_init"):
+        MIXERS["mesa"](32, 4, 8, 0, gamma_init="wide")

@@ -101,3 +101,32 @@ def test_auto_is_torch_on_cuda():
     out_auto, _ = mesa(*args, backend="auto")
     out_torch, _ = mesa(*args, backend="torch")
     torch.testing.assert_close(out_auto, out_torch, rtol=0, atol=0)
+
+
+def test_solve_is_float32_under_lightning_bf16_mixed():
+    """As tests/test_op_mesa.py's CPU autocast test, under Lightning's own bf16-mixed forward context on CUDA (where
+    TF32 is off, as torch's default for matmuls): the output and input gradients stay within 4x of the plain float32
+    call's error against the float64 exact solve."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from test_op_mesa import clustered_inputs, relative_error
+
+    precision = MixedPrecision("bf16-mixed", "cuda")
+    x = {n: t.cuda() for n, t in clustered_inputs().items()}
+    proj = torch.randn(x["v"].shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+
+    def output_and_grads(inputs: dict, mixed: bool) -> list:
+        inputs = {n: t.detach().clone().requires_grad_() for n, t in inputs.items()}
+        steps = 64 if inputs["q"].dtype == torch.float64 else 30
+        if mixed:
+            with precision.forward_context():
+                out, _ = mesa(*inputs.values(), cg_steps=steps)
+        else:
+            out, _ = mesa(*inputs.values(), cg_steps=steps)
+        (out * proj.to(out.dtype)).sum().backward()
+        return [out.detach().double()] + [t.grad.double() for t in inputs.values()]
+
+    exact = output_and_grads({n: t.double() for n, t in x.items()}, mixed=False)
+    plain = output_and_grads(x, mixed=False)
+    mixed = output_and_grads(x, mixed=True)
+    for name, e, p, m in zip(["out", *x], exact, plain, mixed):
+        assert relative_error(m, e) <= 4 * relative_error(p, e) + 1e-12, name

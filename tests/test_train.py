@@ -1,6 +1,7 @@
 """Real Lightning runs on CPU: exact resume (also after SIGKILL), checkpoints, logs, bad input, eval, generate."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -190,14 +191,24 @@ def test_perplexity_at_longer_lengths_and_against_a_reference(straight, tmp_path
                      reference=str(tmp_path / "own" / "ppl-validation-T64"))
 
 
-def test_mesa_run_logs_cg_iterations_and_residual(kjv_data, tmp_path):
+def test_mesa_run_logs_its_solves_gates_and_conditioning(kjv_data, tmp_path):
+    """Mesa's `metrics()` reach metrics.csv through the generic hook (per layer and over layers), the adjoint solve's
+    included, and `lm eval ppl`'s JSON."""
     run_dir = tmp_path / "mesa"
     run(config_file(tmp_path, kjv_data, run_dir, max_steps=2, val_every=2, ckpt_every=2), "--model.mixer", "mesa",
         "--model.mixer_options", "{mesa: {cg_steps: 8, cg_steps_eval: 4, cg_tol: 1.0e-3}}")
     with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
         rows = list(csv.DictReader(f))
-    train_its = [float(r["train/cg_iterations"]) for r in rows if r.get("train/cg_iterations")]
-    val_its = [float(r["val/cg_iterations"]) for r in rows if r.get("val/cg_iterations")]
-    assert train_its and all(0 < i <= 8 for i in train_its)
-    assert val_its and all(0 < i <= 4 for i in val_its)  # evaluation uses its own step count
-    assert all(0 <= float(r["train/cg_residual"]) < 1 for r in rows if r.get("train/cg_residual"))
+    logged = lambda key: [float(r[key]) for r in rows if r.get(key)]  # noqa: E731
+    assert logged("train/cg_iterations") and all(0 < i <= 8 for i in logged("train/cg_iterations"))
+    assert logged("train/cg_adjoint_iterations") and all(0 < i <= 8 for i in logged("train/cg_adjoint_iterations"))
+    assert logged("val/cg_iterations") and all(0 < i <= 4 for i in logged("val/cg_iterations"))  # its own count
+    assert all(0 <= r < 0.1 for r in logged("train/cg_residual_max") + logged("train/cg_adjoint_residual_max"))
+    for key in ("lambda_min", "lambda_mean", "gamma_mean", "beta_mean", "cg_diag_ratio", "cg_residual"):
+        assert logged(f"train/layer1/{key}") and logged(f"val/layer1/{key}"), key
+    assert all(abs(value - 1) < 0.1 for value in logged("train/layer0/lambda_mean"))  # initialised at 1
+    from eval.ppl import evaluate_ppl
+
+    result = evaluate_ppl(str(run_dir), max_windows=4, out=str(tmp_path / "ppl"))
+    assert 0 < result["mixer_metrics"]["cg_iterations"] <= 4 and "layer1/gamma_mean" in result["mixer_metrics"]
+    assert json.loads((tmp_path / "ppl" / "ppl.json").read_text())["mixer_metrics"] == result["mixer_metrics"]

@@ -71,15 +71,15 @@ def mqar_job(json_out: Path, steps: int | None, log: Path, threads: int) -> dict
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
-def run_jobs(jobs: dict[str, tuple], workers: int) -> dict[str, dict]:
-    """name -> (function, args, log): runs them in ORDER, `workers` at a time, each in a fresh process."""
+def run_jobs(jobs: dict[str, tuple], workers: int, command: str = "lm compare demo") -> dict[str, dict]:
+    """name -> (function, args, log): runs them in the given order, `workers` at a time, each in a fresh process;
+    `command` heads the progress lines."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
 
     results = {}
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pool.submit(fn, *args): name for name, (fn, args, _) in sorted(
-            jobs.items(), key=lambda job: ORDER.index(job[0]))}
+        futures = {pool.submit(fn, *args): name for name, (fn, args, _) in jobs.items()}
         for future in as_completed(futures):
             name = futures[future]
             log = jobs[name][2]
@@ -92,7 +92,7 @@ def run_jobs(jobs: dict[str, tuple], workers: int) -> dict[str, dict]:
                 pool.shutdown(cancel_futures=True)
                 raise RuntimeError(f"{name} failed ({type(err).__name__}: {err}); its log: {log}") from err
             ppl = f", validation ppl {results[name]['ppl']:.2f}" if "ppl" in results[name] else ""
-            print(f"lm compare demo: {name} done in {results[name]['seconds']:.0f} s{ppl}", file=sys.stderr)
+            print(f"{command}: {name} done in {results[name]['seconds']:.0f} s{ppl}", file=sys.stderr)
     return results
 
 
@@ -218,7 +218,7 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     jobs["mqar"] = (mqar_job, (out_dir / "mqar.json", mqar_steps, logs / "mqar.log", threads), logs / "mqar.log")
     print(f"lm compare demo: {len(ARCHS)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "
           f"thread(s) each; logs in {logs}", file=sys.stderr)
-    results = run_jobs(jobs, workers)
+    results = run_jobs({name: jobs[name] for name in ORDER}, workers)
 
     mqar = results["mqar"]["rows"]
     report_dir = report([str(out_dir / "runs" / arch) for arch in ARCHS], out=str(out_dir / "report"),

@@ -11,6 +11,19 @@ from lm.mixers.layers import GatedRMSNorm, ShortConv, no_weight_decay
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype
 
+GAMMA_INITS = ("narrow", "zero", "spread")
+
+
+def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
+    """Gate biases b per head, gamma = sigmoid(b) at a zero input, for the memory lengths m = 1 / (1 - gamma) that
+    `init` names (see Mesa)."""
+    if init == "narrow":
+        return torch.linspace(3.0, 6.0, n_heads)
+    if init == "zero":
+        return torch.zeros(n_heads)
+    memory = torch.logspace(1.0, 9.0, n_heads, base=2.0) if n_heads > 1 else torch.tensor([2.0**5])
+    return torch.log(memory - 1.0)  # logit(1 - 1/m)
+
 
 class Mesa(nn.Module):
     """Mesa mixer. q, k, v projections; a short causal conv + SiLU on q and k (and on v with conv_v); q and k
@@ -18,7 +31,13 @@ class Mesa(nn.Module):
     gamma cap gamma * (1 - (1 - gamma_cap) * beta^2) against runs of repeated tokens; Lambda = lam_floor +
     softplus(lam_raw) per head and key dim, initialised to 1; the Mesa op (lm.ops.mesa, CG with cg_steps in
     training and cg_steps_eval in evaluation); a per-head RMSNorm, times silu(W_g x) with output_gate; the
-    output projection. After each call `last_cg_info` holds the mean CG iterations and relative residual.
+    output projection. `metrics()` reports the last call's solve (and, after a backward, its adjoint solve), Lambda,
+    gamma and beta.
+
+    gamma_init sets the gate biases, i.e. each head's memory 1 / (1 - gamma) at the start: "spread" (the default,
+    chosen by `lm bench mesa-ablation`, docs/mesa.md), log-spaced from 2 to 512 tokens across heads; "narrow", 20 to
+    400 tokens (sigmoid(3) to sigmoid(6), xLSTM's forget-gate range, the default before); "zero", 2 tokens in every
+    head (bias 0, as fla's MesaNet).
 
     Key size K = head_dim, value size V = expand_v * head_dim per head.
 
@@ -35,8 +54,12 @@ class Mesa(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand_v: float = 1.0,
                  conv_size: int = 4, conv_v: bool = False, cg_steps: int = 30, cg_steps_eval: int | None = None,
                  cg_tol: float | None = None, lam_floor: float = 0.25, gamma_cap: float | None = 0.9975,
-                 output_gate: bool = False, chunk_size: int = 64, backend: str = "auto"):
+                 output_gate: bool = False, gamma_init: str = "spread", chunk_size: int = 64,
+                 backend: str = "auto"):
         super().__init__()
+        if gamma_init not in GAMMA_INITS:
+            raise ValueError(f"mesa: gamma_init must be one of {GAMMA_INITS}, got {gamma_init!r}")
+        self.gamma_init = gamma_init
         self.n_heads, self.key_dim, self.value_dim = n_heads, head_dim, int(round(expand_v * head_dim))
         self.cg_steps, self.cg_steps_eval, self.cg_tol = cg_steps, cg_steps_eval, cg_tol
         self.lam_floor, self.gamma_cap, self.chunk_size, self.backend = lam_floor, gamma_cap, chunk_size, backend
@@ -53,15 +76,14 @@ class Mesa(nn.Module):
         self.g_proj = nn.Linear(d_model, hv, bias=False) if output_gate else None
         self.out_proj = nn.Linear(hv, d_model, bias=False)
         no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
-        self.last_cg_info: dict | None = None
+        self._metrics: dict[str, torch.Tensor] = {}
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self):
-        """Lambda starts at 1; gamma starts between sigmoid(3) = 0.95 and sigmoid(6) = 0.9975 across heads, so
-        heads begin with memories of different lengths."""
+        """Lambda starts at 1 and beta at 0.5; gamma as gamma_init says."""
         with torch.no_grad():
             self.lam_raw.fill_(math.log(math.expm1(1.0 - self.lam_floor)))
-            self.gamma_proj.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
+            self.gamma_proj.bias.copy_(gamma_bias(self.gamma_init, self.n_heads))
             self.beta_proj.bias.zero_()
 
     def lam(self) -> torch.Tensor:
@@ -91,17 +113,29 @@ class Mesa(nn.Module):
         log_gamma, beta = self.gates(x)
         steps = self.cg_steps if self.training or self.cg_steps_eval is None else self.cg_steps_eval
         lam = self.lam().to(compute_dtype(x))
+        info = {} if self.backend == "fla" else None  # fla's kernel reports nothing
         if T == 1 and "memory" in state:
             o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
                                              initial_state=state["memory"], return_info=True)
         else:
-            o, memory, info = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
-                                   initial_state=state.get("memory"), chunk_size=self.chunk_size, return_info=True,
-                                   backend=self.backend)
-        self.last_cg_info = info
+            o, memory, *reported = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
+                                        initial_state=state.get("memory"), chunk_size=self.chunk_size,
+                                        return_info=info is None, backend=self.backend)
+            info = reported[0] if reported else info
+        with torch.no_grad():
+            info.update(lambda_min=lam.min(), lambda_mean=lam.mean(), gamma_mean=log_gamma.exp().mean(),
+                        beta_mean=beta.mean())
+        self._metrics = info  # the op's dict: a backward through this call adds the adjoint solve's entries to it
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, -1)) if self.g_proj is not None else self.norm(o)
         new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The last call's statistics as 0-dim tensors (nothing is synced to the host here): the CG solve
+        (cg_iterations, cg_residual and cg_residual_max, the true relative residual), the adjoint solve's after a
+        backward (cg_adjoint_*), Lambda (min, mean), gamma and beta (mean), and max diag(H_t) / min Lambda."""
+        return {key if key.startswith(("lambda", "gamma", "beta")) else "cg_" + key: value
+                for key, value in self._metrics.items()}
 
     @staticmethod
     def param_count(d_model, n_heads, head_dim, expand_v=1.0, conv_size=4, conv_v=False, output_gate=False,

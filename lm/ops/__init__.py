@@ -1,6 +1,7 @@
 """Pure tensor math of the sequence mixers, no nn.Module: each op has a chunkwise form (training) and a
 recurrent form (decoding) over [B, T, H, *] tensors, takes `initial_state` and `chunk_size` as keywords and
-returns (out [B, T, H, V], final_state). State and decay arithmetic runs in float32 (float64 for float64 input)."""
+returns (out [B, T, H, V], final_state). State and decay arithmetic runs in float32 (float64 for float64 input),
+with autocast off inside (lm.ops.common.autocast_off)."""
 
 from lm.ops.delta_rule import delta_rule, delta_rule_recurrent
 from lm.ops.linear_attention import linear_attention, linear_attention_recurrent

@@ -1,5 +1,7 @@
 """Small helpers shared by the chunkwise ops: dtype policy, padding T to a multiple of the chunk size, chunking."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -7,6 +9,20 @@ import torch.nn.functional as F
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype state and decay arithmetic runs in: float64 stays float64, everything else is float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@contextlib.contextmanager
+def autocast_off():
+    """Run the enclosed code (or decorated function) with autocast off on every device where it is on.
+
+    The ops cast their inputs to `compute_dtype` once and must then stay there: under autocast (Lightning's
+    bf16-mixed) every matmul and einsum would otherwise be recast to bf16, and Mesa's CG, the decays and the carried
+    states would lose what the float32 cast was for. Works as a decorator too (checked at each call)."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def effective_chunk_size(chunk_size: int, T: int) -> int:

@@ -24,6 +24,7 @@ T, W, U~ and the intra-chunk scores are computed for all chunks at once; only U,
 import torch
 
 from lm.ops.common import (
+    autocast_off,
     causal_decay,
     check_shapes,
     compute_dtype,
@@ -76,6 +77,7 @@ def _wy_transform(k, v, beta, g):
     return w_u.split([k.shape[-1], v.shape[-1]], dim=-1)
 
 
+@autocast_off()
 def _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, chunk_size):
     """The chunkwise algorithm of the module docstring. Padded steps (zero q/k/v, beta = 0, log_alpha = 0) leave the
     state untouched: alpha = 1 and beta = 0 make their update the identity."""
@@ -107,6 +109,7 @@ def _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, chunk_size):
     return (scale * from_head_chunks(out, T)).to(in_dtype), state
 
 
+@autocast_off()
 def delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -14,6 +14,7 @@ input dtype.
 import torch
 
 from lm.ops.common import (
+    autocast_off,
     causal_decay,
     check_shapes,
     compute_dtype,
@@ -52,6 +53,7 @@ def linear_attention(
     return _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size)
 
 
+@autocast_off()
 def _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size):
     """The chunkwise algorithm. All intra-chunk work is batched over chunks; only the state pass loops over them.
 
@@ -90,6 +92,7 @@ def _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size):
     return (scale * from_head_chunks(out, T)).to(in_dtype), state
 
 
+@autocast_off()
 def linear_attention_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,

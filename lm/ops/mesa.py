@@ -30,8 +30,9 @@ H_T), so autograd through them gives those gradients; `_MesaFunction.backward` d
 solve (cg_steps < K, or cg_tol) this is the exact-solve gradient evaluated at the approximate x and e, not the
 derivative of the truncated iteration. (`mesa_recurrent`, for decoding, simply backpropagates through its CG steps.)
 
-Both forms solve in float32 (float64 for float64 inputs) whatever the input dtype, return the output in the input
-dtype and the state (G [B, H, V, K], H [B, H, K, K]) in the compute dtype. H_0 should be symmetric positive
+Both forms solve in float32 (float64 for float64 inputs) whatever the input dtype, and with autocast off (under
+bf16-mixed it would recast every matvec to bf16), forward, adjoint and decoding alike. They return the output in the
+input dtype and the state (G [B, H, V, K], H [B, H, K, K]) in the compute dtype. H_0 should be symmetric positive
 semi-definite (a state this op returned is).
 """
 
@@ -41,6 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lm.ops.common import (
+    autocast_off,
     causal_decay,
     check_shapes,
     compute_dtype,
@@ -55,6 +57,7 @@ from lm.ops.linear_attention import linear_attention
 MesaState = tuple[torch.Tensor, torch.Tensor]  # (G [B, H, V, K], H [B, H, K, K])
 
 
+@autocast_off()
 def mesa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,8 +78,12 @@ def mesa(
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_gamma, beta: [B, T, H]; lam: [H, K] (positive); initial_state: (G_0
     [B, H, V, K], H_0 [B, H, K, K]) or None (zeros). Any T works. Returns (out [B, T, H, V] in q's dtype, (G_T, H_T)
     in float32, or float64 for float64 inputs), and with return_info=True also an info dict of detached 0-dim
-    float32 tensors about the forward solve: "iterations" (mean CG steps over tokens and heads), "residual" and
-    "residual_max" (mean and max final relative residual ||r|| / ||r_0||; with cg_steps=0: 0 steps, residual 1).
+    float32 tensors (no device sync) about the forward solve: "iterations" (mean CG steps per token and head),
+    "residual" and "residual_max" (mean and max of the true relative residual ||q_t - A_t x_t|| / ||q_t||, measured
+    with one more matvec) and "diag_ratio" (max diag(H_t) / min lam, a cheap conditioning indicator: cond(A_t) <=
+    (lambda_max(H_t) + max lam) / min lam, and lambda_max(H_t) >= max diag(H_t)). The backward adds the adjoint
+    solve's "adjoint_iterations", "adjoint_residual" and "adjoint_residual_max" to the same dict. With cg_steps=0:
+    0 steps, residual 1.
     cg_steps: most CG steps per token (0: plain gated linear attention with query q); cg_tol: relative residual at
     which a token stops early (None: always cg_steps steps). The backward's adjoint solve uses both as well.
     backend: "torch" (this code), "fla" (flash-linear-attention's chunk_mesa_net: CUDA, bf16/fp16, V == K, fixed
@@ -95,14 +102,12 @@ def mesa(
         return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
 
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
-    out, G, H, iterations, residual_mean, residual_max = _MesaFunction.apply(
-        q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size
-    )
-    if return_info:
-        return out, (G, H), {"iterations": iterations, "residual": residual_mean, "residual_max": residual_max}
-    return out, (G, H)
+    info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
+    out, G, H = _MesaFunction.apply(q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size, info)
+    return (out, (G, H), info) if return_info else (out, (G, H))
 
 
+@autocast_off()
 def mesa_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,7 +128,7 @@ def mesa_recurrent(
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, log_gamma, beta, lam = (x.to(dtype) for x in (q, k, v, log_gamma, beta, lam))
     G, H = _initial_state(initial_state, q, v.shape[-1], dtype)
-    outs, iterations, residuals = [], [], []
+    outs, iterations, residuals, diagonals = [], [], [], []
     for t in range(q.shape[1]):
         gamma = log_gamma[:, t, :, None, None].exp()  # [B, H, 1, 1]
         k_beta = k[:, t] * beta[:, t, :, None]
@@ -132,17 +137,19 @@ def mesa_recurrent(
         x = q[:, t]
         if cg_steps > 0:
             matvec = lambda p, H=H: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p
-            x0 = x / (H.diagonal(dim1=-2, dim2=-1) + lam)
-            x, used, residual = _cg(matvec, x, x0, cg_steps, cg_tol)
-            iterations.append(used)
-            residuals.append(residual)
+            diagonals.append(H.diagonal(dim1=-2, dim2=-1))
+            x, used = _cg(matvec, q[:, t], q[:, t] / (diagonals[-1] + lam), cg_steps, cg_tol)
+            if return_info:
+                iterations.append(used)
+                residuals.append(_true_residual(matvec, q[:, t], x))
         outs.append(torch.einsum("bhvk,bhk->bhv", G, x))
     out = torch.stack(outs, dim=1).to(in_dtype)
     if not return_info:
         return out, (G, H)
     if cg_steps == 0:
         return out, (G, H), _info_without_solve(q)
-    return out, (G, H), _info(torch.stack(iterations, 1), torch.stack(residuals, 1))
+    return out, (G, H), _solve_stats(torch.stack(iterations, 1), torch.stack(residuals, 1),
+                                     torch.stack(diagonals, 1), lam)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -158,18 +165,16 @@ def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None
     """Textbook conjugate gradients for A x = b: one independent K-dimensional SPD system per token (and head), all
     solved in parallel. b, x0: [..., K]; matvec(p) = A p in the same layout.
 
-    Each token is masked out (alpha = 0, so x and r stay as they are) once ||r|| <= tol ||r_0||, or, with tol None,
-    once r is exactly 0 (which also keeps the divisions finite); with tol, the loop stops when every token has
-    converged. Returns (x, iterations used [...], final relative residual ||r|| / ||r_0|| [...], 0 where r_0 = 0).
-    The residual is CG's recursively updated r, which keeps shrinking below the true residual b - A x once that
-    reaches rounding level (about 1e-7 relative in float32).
+    Without tol every token takes all `steps` steps (a token whose residual reaches exactly 0 takes zero-length
+    ones, which keeps the divisions finite). With tol, a token is frozen (alpha = 0, so x and r stay as they are)
+    once CG's recursive residual satisfies ||r|| <= tol ||r_0||, and the loop stops when every token is frozen.
+    Returns (x, steps taken per token [...]).
     """
     x = x0
     r = b - matvec(x)
     p = r
     rs_old = _dot(r, r)
-    rs_start = rs_old
-    threshold = 0.0 if tol is None else tol**2 * rs_start
+    threshold = 0.0 if tol is None else tol**2 * rs_old
     active = rs_old > threshold
     iterations = torch.zeros_like(rs_old)
     for _ in range(steps):
@@ -185,23 +190,37 @@ def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None
         rs_new = _dot(r, r)
         beta = torch.where(rs_old > 0, rs_new / torch.where(rs_old > 0, rs_old, 1.0), 0.0)
         p = r + beta[..., None] * p
-        iterations = iterations + active.to(iterations.dtype)
+        if tol is None:
+            iterations = iterations + 1
+        else:
+            iterations = iterations + active.to(iterations.dtype)
+            active = active & (rs_new > threshold)
         rs_old = rs_new
-        active = active & (rs_new > threshold)
-    started = rs_start > 0
-    relative = torch.where(started, rs_old / torch.where(started, rs_start, 1.0), 0.0).sqrt()
-    return x, iterations, relative
+    return x, iterations
 
 
-def _info(iterations: torch.Tensor, residual: torch.Tensor) -> dict:
-    """The info dict of `return_info=True`, from per-token CG results [B, T, H]: mean iterations, and the mean and
-    max final relative residual ||r|| / ||r_0||, as detached 0-dim float tensors."""
-    residual = residual.detach()
-    return {
+def _true_residual(matvec, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """||b - A x|| / ||b|| per token (0 where b = 0), from one more matvec: what the solve achieved, unlike CG's
+    recursively updated residual, which keeps shrinking below it once rounding dominates."""
+    with torch.no_grad():
+        norm_b = _dot(b, b).sqrt()
+        r = b - matvec(x)
+        return torch.where(norm_b > 0, _dot(r, r).sqrt() / torch.where(norm_b > 0, norm_b, 1.0), 0.0)
+
+
+def _solve_stats(iterations: torch.Tensor, residual: torch.Tensor, diag_h: torch.Tensor, lam: torch.Tensor,
+                 prefix: str = "") -> dict:
+    """The info dict of `return_info=True` from per-token results of one solve (iterations, true relative residual
+    [B, T, H], diag(H_t) [B, T, H, K]), as detached 0-dim float32 tensors (no device sync): mean CG steps, mean and
+    max residual, and max diag(H_t) / min lam (see `mesa`). `prefix` names the adjoint solve's entries."""
+    stats = {
         "iterations": iterations.detach().float().mean(),
-        "residual": residual.float().mean(),
-        "residual_max": residual.float().max(),
+        "residual": residual.detach().float().mean(),
+        "residual_max": residual.detach().float().max(),
     }
+    if not prefix:
+        stats["diag_ratio"] = (diag_h.detach().max() / lam.detach().min()).float()
+    return {prefix + key: value for key, value in stats.items()}
 
 
 def _info_without_solve(q: torch.Tensor) -> dict:
@@ -252,19 +271,24 @@ class _ChunkedKeyState:
         return self.weights @ (self.k * self.k) + carried
 
 
-def _solve(H_op: _ChunkedKeyState, lam: torch.Tensor, b: torch.Tensor, steps: int, tol: float | None, chunk_size: int):
-    """Solve (H_t + diag(lam)) x_t = b_t for every token and head by warm-started CG.
+def _solve(H_op: _ChunkedKeyState, lam: torch.Tensor, b: torch.Tensor, steps: int, tol: float | None, chunk_size: int,
+           stats: dict | None = None, prefix: str = ""):
+    """Solve (H_t + diag(lam)) x_t = b_t for every token and head by warm-started CG; b: [B, T, H, K] -> x, same shape.
 
-    b: [B, T, H, K]. Works in the chunked layout (padded tokens have b = 0 and take no step). Returns (x [B, T, H, K],
-    iterations [B, T, H], relative residual [B, T, H]).
+    Works in the chunked layout (padded tokens have b = 0 and take no step). With a `stats` dict, also measures the
+    true residual (one more matvec) and adds `_solve_stats` under `prefix`.
     """
     T = b.shape[1]
     lam = lam[None, :, None, None, :]  # [1, H, 1, 1, K], broadcast over batch, chunks and steps
     b = to_head_chunks(b, chunk_size, H_op.k.dtype)
-    x0 = b / (H_op.diagonal() + lam)  # Jacobi warm start
-    x, iterations, residual = _cg(lambda p: H_op.matvec(p) + lam * p, b, x0, steps, tol)
-    unchunk = lambda t: from_head_chunks(t[..., None], T)[..., 0]
-    return from_head_chunks(x, T), unchunk(iterations), unchunk(residual)
+    diag_h = H_op.diagonal()
+    matvec = lambda p: H_op.matvec(p) + lam * p
+    x, iterations = _cg(matvec, b, b / (diag_h + lam), steps, tol)  # Jacobi warm start
+    if stats is not None:
+        unchunk = lambda t: from_head_chunks(t[..., None], T)[..., 0]
+        residual = _true_residual(matvec, b, x)
+        stats.update(_solve_stats(unchunk(iterations), unchunk(residual), diag_h, lam, prefix))
+    return from_head_chunks(x, T)
 
 
 class _MesaFunction(torch.autograd.Function):
@@ -272,25 +296,23 @@ class _MesaFunction(torch.autograd.Function):
     module docstring); the forward iterations are not unrolled, only x is kept."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size):
+    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size, info):
         dtype = G0.dtype
         H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)
-        x, iterations, residual = _solve(H_op, lam.to(dtype), q, cg_steps, cg_tol, chunk_size)
+        x = _solve(H_op, lam.to(dtype), q, cg_steps, cg_tol, chunk_size, info)
         out, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size,
                                     backend="torch")
-        info = _info(iterations, residual)
         ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
-        ctx.settings = (cg_steps, cg_tol, chunk_size, q.dtype)
+        ctx.settings = (cg_steps, cg_tol, chunk_size, q.dtype, info)
         ctx.set_materialize_grads(False)
-        outputs = (out.to(q.dtype), G_T.mT.contiguous(), H_op.final, *info.values())
-        ctx.mark_non_differentiable(*outputs[3:])
-        return outputs
+        return out.to(q.dtype), G_T.mT.contiguous(), H_op.final
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_out, d_G, d_H, *_):
+    @autocast_off()
+    def backward(ctx, d_out, d_G, d_H):
         k, v, log_gamma, beta, lam, G0, H0, x = ctx.saved_tensors
-        cg_steps, cg_tol, chunk_size, q_dtype = ctx.settings
+        cg_steps, cg_tol, chunk_size, q_dtype, info = ctx.settings
         dtype = x.dtype
         e = None
         if d_out is not None:
@@ -299,12 +321,12 @@ class _MesaFunction(torch.autograd.Function):
             rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0,
                                       chunk_size=chunk_size, backend="torch")
             H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)  # recomputed: cheap, saves memory
-            e, _, _ = _solve(H_op, lam.to(dtype), rhs, cg_steps, cg_tol, chunk_size)
+            e = _solve(H_op, lam.to(dtype), rhs, cg_steps, cg_tol, chunk_size, info, prefix="adjoint_")
         grads = _surrogate_grads(
             (k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G, d_H, chunk_size
         )
         dq = e.to(q_dtype) if e is not None and ctx.needs_input_grad[0] else None
-        return (dq, *grads, None, None, None)
+        return (dq, *grads, None, None, None, None)
 
 
 def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):

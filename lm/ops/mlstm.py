@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.ops.common import (
+    autocast_off,
     check_shapes,
     compute_dtype,
     effective_chunk_size,
@@ -76,6 +77,7 @@ def mlstm(
     return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, torch_chunk_size)
 
 
+@autocast_off()
 def mlstm_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,6 +115,7 @@ def mlstm_recurrent(
 # torch chunkwise form
 
 
+@autocast_off()
 def _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size):
     """The chunkwise algorithm: all intra-chunk work is batched over chunks; only the state pass loops over them.
 

@@ -1,0 +1,164 @@
+"""`lm bench mesa-ablation`: why Mesa trailed in `lm compare demo`, tested on the demo's shape (1M parameters, the
+bundled corpus, seq_len 128) with more optimizer steps, so that the gates can move.
+
+Gated DeltaNet and Mesa as it was (gate biases "narrow") each get an lr grid with two seeds. Mesa's variants (the
+gate-bias init, the output gate, CG to a tolerance instead of 30 steps) change one thing each, at the best lr of
+Mesa's grid, with two seeds. This is not a full factorial and has no combinations: those would not fit the ~2 hours
+on 2 cores it is sized for. Every variant is its own `lm compare plan` at matched parameters (the output gate adds
+parameters, which the plan takes from the MLP). Every run is `lm train` + `lm eval ppl`, two at a time, and
+`lm compare report` draws the tables and loss curves.
+
+Under --out: data/, plan-VARIANT/ (configs), runs/VARIANT-lrLR-seedS, logs/, ablation.md (val ppl per setting: mean
+and spread over seeds, and where the gates went) and report/.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from lm.errors import UserError
+
+LRS = [2e-3, 4e-3, 8e-3]
+SEEDS = [0, 1]
+# name -> (mixer, mixer options, lrs). "mesa" is Mesa as it was (gate biases "narrow"); each variant changes one thing
+# from it, at the best lr of its grid (8e-3).
+NARROW = {"gamma_init": "narrow"}
+VARIANTS = {
+    "gated_deltanet": ("gated_deltanet", {}, LRS),
+    "mesa": ("mesa", NARROW, LRS),
+    "mesa-zero-bias": ("mesa", {"gamma_init": "zero"}, [8e-3]),
+    "mesa-spread-bias": ("mesa", {"gamma_init": "spread"}, [8e-3]),
+    "mesa-output-gate": ("mesa", {**NARROW, "output_gate": True}, [8e-3]),
+    "mesa-cg-tol": ("mesa", {**NARROW, "cg_tol": 1e-4}, [8e-3]),
+}
+
+
+def run_name(variant: str, lr: float, seed: int) -> str:
+    return f"{variant}-lr{lr:g}-seed{seed}"
+
+
+def planned_configs(out: Path, base: dict, params: float, only: list[str] | None) -> list[tuple[str, str]]:
+    """(run name, config path) for every run of the variants in `only` (None: all), Mesa's first (the slow ones)."""
+    from lm.compare.plan import plan
+
+    configs = []
+    for variant, (mixer, options, lrs) in VARIANTS.items():
+        if only and variant not in only:
+            continue
+        variant_base = out / f"base-{variant}.yaml"
+        model = {**base["model"], "mixer_options": {mixer: options}} if options else base["model"]
+        variant_base.write_text(yaml.safe_dump({**base, "model": model}, sort_keys=False))
+        planned = plan(archs=mixer, params=params, base=str(variant_base), lrs={mixer: lrs}, seeds=SEEDS,
+                       out=str(out / f"plan-{variant}"))
+        for path in planned["archs"][0]["configs"]:
+            config = yaml.safe_load(Path(path).read_text())
+            configs.append((run_name(variant, config["optim"]["lr"], config["seed"]), path))
+    return sorted(configs, key=lambda c: not c[0].startswith("mesa"))
+
+
+def gate_drift(run_dir: Path, options: dict, n_heads: int) -> tuple[str, str]:
+    """Where Mesa's gates went in a run: the mean gamma over layers at its first and last logged training step (from
+    metrics.csv), and the largest change of a gate bias from its init (from the last checkpoint)."""
+    import csv
+
+    import torch
+
+    from lm.checkpoint import newest_checkpoint
+    from lm.mixers.mesa import gamma_bias
+
+    rows = [r for path in sorted(run_dir.glob("logs/version_*/metrics.csv")) for r in csv.DictReader(open(path))]
+    gammas = [float(r["train/gamma_mean"]) for r in rows if r.get("train/gamma_mean")]
+    checkpoint = newest_checkpoint(run_dir / "checkpoints")
+    if not gammas or checkpoint is None:
+        return "", ""
+    weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    init = gamma_bias(options["gamma_init"], n_heads)
+    moved = max((w - init).abs().max().item() for k, w in weights.items() if k.endswith("gamma_proj.bias"))
+    return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
+
+
+def ablation_table(out: Path, seq_len: int) -> str:
+    """One row per (variant, lr) from the run directories: val ppl (`lm eval ppl`) mean and spread (max - min) over
+    seeds, and for Mesa where the gates went (seed 0)."""
+    header = ("setting", "options", "lr", "seeds", "val ppl (mean)", "spread", "val ppl per seed",
+              "gamma mean, first -> last step", "max gate-bias change")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for variant, (mixer, options, lrs) in VARIANTS.items():
+        for lr in lrs:
+            runs = [out / "runs" / run_name(variant, lr, seed) for seed in SEEDS]
+            results = [run / "eval" / f"ppl-validation-T{seq_len}" / "ppl.json" for run in runs]
+            ppls = [json.loads(path.read_text())["ppl"] for path in results if path.is_file()]
+            if not ppls:
+                continue
+            config = yaml.safe_load((runs[0] / "config.yaml").read_text())
+            drift = gate_drift(runs[0], options, config["model"]["n_heads"]) if mixer == "mesa" else ("", "")
+            lines.append("| " + " | ".join((
+                variant, ", ".join(f"{k}: {v}" for k, v in options.items()) or "-", f"{lr:g}", str(len(ppls)),
+                f"{statistics.fmean(ppls):.2f}", f"{max(ppls) - min(ppls):.2f}",
+                " / ".join(f"{p:.2f}" for p in ppls), *drift)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: int = 400, global_batch: int = 8,
+                  seq_len: int = 128, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
+                  val_windows: int | None = None, only: list[str] | None = None, report_only: bool = False) -> dict:
+    """Mesa's gate init, output gate and CG stopping, and the lr, against Gated DeltaNet (~2 hours on 2 CPU cores).
+
+    Args:
+        out: Where everything goes (see the module docstring); a rerun reuses the prepared data.
+        params: Parameters of every model, matched within 2% by lm compare plan.
+        steps: Optimizer steps of every run (warmup a tenth, cosine to 0.1x).
+        global_batch: Sequences per step.
+        seq_len: Training sequence length.
+        vocab_size: BPE vocabulary of the bundled corpus.
+        data: An already prepared dataset instead of the bundled corpus.
+        workers: Runs at once, each in its own process with cpu_count / workers threads.
+        val_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
+        only: Run only these variants (names in bench.mesa_ablation.VARIANTS).
+        report_only: Train nothing: the table and the report from the runs already under --out.
+    """
+    import os
+
+    from lm.compare.demo import base_config, prepared_data, run_jobs, train_and_evaluate
+    from lm.compare.report import report
+
+    unknown = sorted(set(only or []) - set(VARIANTS))
+    if unknown:
+        raise UserError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    for name, value in (("params", params), ("steps", steps), ("global_batch", global_batch), ("seq_len", seq_len),
+                        ("workers", workers)):
+        if value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    start = time.perf_counter()
+    out_dir = Path(out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    data, vocab = prepared_data(out_dir, data, vocab_size)
+    base = base_config(data, vocab, seq_len, global_batch, val_windows)
+    configs = planned_configs(out_dir, base, params, only)
+    val_every = max(1, steps // 4)
+    overrides = ["--trainer.max_steps", str(steps), "--trainer.val_every", str(val_every), "--trainer.ckpt_every",
+                 str(steps), "--trainer.log_every", str(max(1, min(10, steps // 10))), "--optim.warmup_steps",
+                 str(max(1, steps // 10))]
+    names = [name for name, _ in configs]
+    if not report_only:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        jobs = {}
+        for name, path in configs:
+            log = out_dir / "logs" / f"{name}.log"
+            run_overrides = ["--run_dir", str(out_dir / "runs" / name), *overrides]
+            jobs[name] = (train_and_evaluate, (path, run_overrides, log, threads, val_windows), log)
+        print(f"lm bench mesa-ablation: {len(jobs)} runs of {steps} steps x {global_batch} x {seq_len} tokens, "
+              f"{workers} at a time; logs in {out_dir / 'logs'}", file=sys.stderr)
+        run_jobs(jobs, workers, command="lm bench mesa-ablation")
+    table = ablation_table(out_dir, seq_len)
+    (out_dir / "ablation.md").write_text(table)
+    report_dir = report([str(out_dir / "runs" / name) for name in names if (out_dir / "runs" / name).is_dir()],
+                        out=str(out_dir / "report"), positions=[1, 16, seq_len],
+                        title=f"Mesa ablation: {steps} steps x {global_batch} x {seq_len}")
+    wall = time.perf_counter() - start
+    print(f"\n{table}\nlm bench mesa-ablation: {wall / 60:.1f} min; report: {report_dir / 'report.md'}")
+    return {"table": table, "wall_s": wall}
