@@ -71,8 +71,7 @@ def step_peak_mib(cfg: LMConfig, T: int, batch: int) -> float:
     return peak_growth_mib(lambda: step(T))
 
 
-def bench_memory(mixers: list[str] = ["attention", "mamba2", "mlstm", "deltanet", "gated_deltanet",  # noqa: B006
-                                      "mesa"],
+def bench_memory(mixers: list[str] | None = None,
                  lengths: list[int] = [512, 2048, 8192], d_model: int = 256, n_layers: int = 2,  # noqa: B006
                  n_heads: int = 4, head_dim: int = 64, vocab_size: int = 4096, batch: int = 1,
                  json_out: str | None = None) -> dict:
@@ -80,7 +79,7 @@ def bench_memory(mixers: list[str] = ["attention", "mamba2", "mlstm", "deltanet"
     linear in T.
 
     Args:
-        mixers: Mixer of every layer, one model per mixer (names in lm.mixers.MIXERS).
+        mixers: Mixer of every layer, one model per mixer (names in lm.mixers.MIXERS; default: all).
         lengths: Sequence lengths T.
         d_model: Width of the residual stream.
         n_layers: Number of blocks.
@@ -90,6 +89,7 @@ def bench_memory(mixers: list[str] = ["attention", "mamba2", "mlstm", "deltanet"
         batch: Sequences per step.
         json_out: Also write the result as JSON to this path.
     """
+    mixers = list(MIXERS) if mixers is None else mixers
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown or batch < 1 or min(lengths, default=0) < 1:
         raise UserError(f"mixers must be among {', '.join(sorted(MIXERS))} (unknown: {unknown}); batch and "

@@ -22,19 +22,18 @@ import yaml
 
 from lm.errors import UserError
 
-LRS = [2e-3, 4e-3, 8e-3]
-SEEDS = [0, 1]
-# name -> (mixer, mixer options, lrs). "mesa" is Mesa as it was (gate biases "narrow"); each variant changes one thing
-# from it, at the best lr of its grid (8e-3).
-NARROW = {"gamma_init": "narrow"}
-VARIANTS = {
-    "gated_deltanet": ("gated_deltanet", {}, LRS),
-    "mesa": ("mesa", NARROW, LRS),
-    "mesa-zero-bias": ("mesa", {"gamma_init": "zero"}, [8e-3]),
-    "mesa-spread-bias": ("mesa", {"gamma_init": "spread"}, [8e-3]),
-    "mesa-output-gate": ("mesa", {**NARROW, "output_gate": True}, [8e-3]),
-    "mesa-cg-tol": ("mesa", {**NARROW, "cg_tol": 1e-4}, [8e-3]),
-}
+SETTINGS = Path(__file__).resolve().parent.parent / "configs/bench/mesa_ablation.yaml"
+
+
+def load_variants(path: Path = SETTINGS) -> tuple[dict[str, tuple[str, dict, list[float]]], list[int]]:
+    """(name -> (mixer, options, lrs), seeds) from the settings file (configs/bench/mesa_ablation.yaml)."""
+    settings = yaml.safe_load(Path(path).read_text())
+    variants = {name: (v["mixer"], v.get("options") or {}, v.get("lrs") or settings["lrs"])
+                for name, v in settings["variants"].items()}
+    return variants, settings["seeds"]
+
+
+VARIANTS, SEEDS = load_variants()
 
 
 def run_name(variant: str, lr: float, seed: int) -> str:
@@ -42,7 +41,7 @@ def run_name(variant: str, lr: float, seed: int) -> str:
 
 
 def planned_configs(out: Path, base: dict, params: float, only: list[str] | None) -> list[tuple[str, str]]:
-    """(run name, config path) for every run of the variants in `only` (None: all), Mesa's first (the slow ones)."""
+    """(run name, config path) for every run of the variants in `only` (None: all), in the settings' order."""
     from lm.compare.plan import plan
 
     configs = []
@@ -57,27 +56,29 @@ def planned_configs(out: Path, base: dict, params: float, only: list[str] | None
         for path in planned["archs"][0]["configs"]:
             config = yaml.safe_load(Path(path).read_text())
             configs.append((run_name(variant, config["optim"]["lr"], config["seed"]), path))
-    return sorted(configs, key=lambda c: not c[0].startswith("mesa"))
+    return configs
 
 
-def gate_drift(run_dir: Path, options: dict, n_heads: int) -> tuple[str, str]:
-    """Where Mesa's gates went in a run: the mean gamma over layers at its first and last logged training step (from
-    metrics.csv), and the largest change of a gate bias from its init (from the last checkpoint)."""
+def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[str, str]:
+    """Where a mixer's forget gates went in a run: the mean gamma over layers at its first and last logged training
+    step (the `gamma_mean` metric in metrics.csv), and the largest change of a gate bias from its init (the mixer's
+    `gate_bias_drift`, from the last checkpoint); blank for mixers that report neither."""
     import csv
 
     import torch
 
     from lm.checkpoint import newest_checkpoint
-    from lm.mixers.mesa import gamma_bias
+    from lm.mixers import MIXERS
 
+    if not hasattr(MIXERS[mixer], "gate_bias_drift"):
+        return "", ""
     rows = [r for path in sorted(run_dir.glob("logs/version_*/metrics.csv")) for r in csv.DictReader(open(path))]
     gammas = [float(r["train/gamma_mean"]) for r in rows if r.get("train/gamma_mean")]
     checkpoint = newest_checkpoint(run_dir / "checkpoints")
     if not gammas or checkpoint is None:
         return "", ""
     weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-    init = gamma_bias(options["gamma_init"], n_heads)
-    moved = max((w - init).abs().max().item() for k, w in weights.items() if k.endswith("gamma_proj.bias"))
+    moved = MIXERS[mixer].gate_bias_drift(weights, n_heads, **options)
     return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
 
 
@@ -95,7 +96,7 @@ def ablation_table(out: Path, seq_len: int) -> str:
             if not ppls:
                 continue
             config = yaml.safe_load((runs[0] / "config.yaml").read_text())
-            drift = gate_drift(runs[0], options, config["model"]["n_heads"]) if mixer == "mesa" else ("", "")
+            drift = gate_drift(runs[0], mixer, options, config["model"]["n_heads"])
             lines.append("| " + " | ".join((
                 variant, ", ".join(f"{k}: {v}" for k, v in options.items()) or "-", f"{lr:g}", str(len(ppls)),
                 f"{statistics.fmean(ppls):.2f}", f"{max(ppls) - min(ppls):.2f}",
@@ -118,7 +119,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
         data: An already prepared dataset instead of the bundled corpus.
         workers: Runs at once, each in its own process with cpu_count / workers threads.
         val_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
-        only: Run only these variants (names in bench.mesa_ablation.VARIANTS).
+        only: Run only these variants (names in configs/bench/mesa_ablation.yaml).
         report_only: Train nothing: the table and the report from the runs already under --out.
     """
     import os

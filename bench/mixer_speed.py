@@ -1,115 +1,71 @@
 """Speed and memory of the sequence ops behind the recurrent mixers: chunkwise form (training) vs recurrent form.
 
-Each mixer's op gets the head shapes its module builds for (d_model, n_heads, head_dim) with default options, and
-random inputs in the ranges the module feeds it. Timings are forward + backward. Peak memory is the growth of peak
-RSS during one chunkwise forward + backward, each (mixer, T) in a fresh process (CPU, Linux).
+Each mixer's op gets the head shapes its module builds for (d_model, n_heads, head_dim) and random inputs in the ranges
+the module feeds it (the mixer's `bench_op`). Timings are forward + backward. Peak memory is the growth of peak RSS
+during one chunkwise forward + backward, each (mixer, T) in a fresh process (CPU, Linux).
 
-Mesa gets one row per CG step count (and one with early stopping at a tolerance), each compared with gated_deltanet
-at the same (d_model, n_heads, head_dim); its recurrent form (a CG solve per step, by far the slowest loop) is timed
-only at the mixer's default step count and up to mesa_recurrent_max_len.
+A mixer's `bench_variants` add rows with other options (Mesa: fewer CG steps, early stopping at a tolerance), each
+compared with its `bench_reference` mixer at the same (d_model, n_heads, head_dim) when that one runs too; the
+recurrent form and the peak memory are measured for the default row only (Mesa's recurrent form, a CG solve per
+step, is by far the slowest loop).
 """
 
-import inspect
 import json
 import math
 import time
 
 import torch
-import torch.nn.functional as F
 
+import lm.ops
 from bench.memory import fresh_processes, peak_growth_mib
 from bench.train_speed import device_name
 from lm.errors import UserError
-from lm.mixers import MIXERS, MLSTM, DeltaNet, Mamba2, Mesa
-from lm.mixers.mlstm import soft_cap
-from lm.ops import (
-    delta_rule,
-    delta_rule_recurrent,
-    linear_attention,
-    linear_attention_recurrent,
-    mesa,
-    mesa_recurrent,
-    mlstm,
-    mlstm_recurrent,
-)
+from lm.mixers import MIXERS, Mixer
+from lm.mixers.protocol import OpCall
 
-OPS = {  # op name: (chunkwise, recurrent)
-    "linear_attention": (linear_attention, linear_attention_recurrent),
-    "delta_rule": (delta_rule, delta_rule_recurrent),
-    "mlstm": (mlstm, mlstm_recurrent),
-    "mesa": (mesa, mesa_recurrent),
-}
-MESA_CG_STEPS = inspect.signature(Mesa).parameters["cg_steps"].default  # the mixer's default (30)
-# mesa_recurrent runs up to 30 CG steps per token in a Python loop, much the slowest recurrent form: one forward +
-# backward (d_model 256, 4 heads, head_dim 64) took 7.4 s at T = 512 and 34 s at T = 2048 on the quiet 2-core CPU
-# of docs/performance.md (several times that while other processes ran). The default run affords that (one call there,
-# see best_ms); longer T only with a larger mesa_recurrent_max_len.
-MESA_RECURRENT_MAX_LEN = 2048
+OPS = {name: (getattr(lm.ops, name), getattr(lm.ops, f"{name}_recurrent"))  # op name: (chunkwise, recurrent)
+       for name in lm.ops.__all__ if f"{name}_recurrent" in lm.ops.__all__}
 
 
-class MesaCall:
-    """mesa or mesa_recurrent with fixed CG settings, called like the other ops; keeps the info dict (mean CG
-    iterations, residuals) of its last call. The info costs one more matvec per solve (the true residual); the Mesa
-    mixer always asks for it, so the timings include it as training does."""
+class Form:
+    """One form of an op called with the mixer's keywords; keeps the info dict of its last call, for ops that
+    return one (Mesa's CG iterations and residuals)."""
 
-    def __init__(self, fn, cg_steps: int, cg_tol: float | None):
-        self.fn, self.cg_steps, self.cg_tol, self.info = fn, cg_steps, cg_tol, None
+    def __init__(self, fn, kwargs: dict):
+        self.fn, self.kwargs, self.info = fn, kwargs, None
 
     def __call__(self, *args):
-        out, state, self.info = self.fn(*args, cg_steps=self.cg_steps, cg_tol=self.cg_tol, return_info=True)
+        out, state, *info = self.fn(*args, **self.kwargs)
+        self.info = info[0] if info else None
         return out, state
 
 
-def op_fns(op: str, cg_steps: int = MESA_CG_STEPS, cg_tol: float | None = None) -> tuple:
-    """(chunkwise, recurrent) callables of an op; the CG settings apply to mesa only."""
-    chunkwise, recurrent = OPS[op]
-    if op == "mesa":
-        return MesaCall(chunkwise, cg_steps, cg_tol), MesaCall(recurrent, cg_steps, cg_tol)
-    return chunkwise, recurrent
-
-
-def tol_label(tol: float) -> str:
-    """1e-4 for 0.0001, 2.5e-3 for 0.0025."""
-    mantissa, exponent = f"{tol:e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+def bench_mixer_names() -> list[str]:
+    """The mixers with a recurrent op (those that define `bench_op`)."""
+    return [name for name, cls in MIXERS.items() if cls.bench_op is not Mixer.bench_op]
 
 
 @torch.no_grad()
-def op_inputs(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int) -> tuple:
-    """The op a mixer calls and its positional inputs, as leaves that need grad, plus a fixed output projection.
-
-    Shapes and decay parameters come from the mixer module itself (built with default options), so they cannot
-    drift from what a model layer feeds the op.
-    """
+def op_call(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int,
+            **options) -> tuple[OpCall, torch.Tensor]:
+    """The op a mixer (built with `options`) calls, its inputs as leaves that need grad, and a fixed random projection
+    of its output."""
     torch.manual_seed(0)
-    m = MIXERS[mixer](d_model, n_heads, head_dim)
-    randn = lambda *dims: torch.randn(batch, T, n_heads, *dims)  # [B, T, H, *]
-    if isinstance(m, Mamba2):
-        K, V = m.state_size, m.inner // n_heads
-        dt = F.softplus(randn() + m.dt_bias)  # about 1e-3..0.3
-        op, args = "linear_attention", [randn(K), randn(K), randn(V), -torch.exp(m.A_log) * dt, dt, 1.0]
-    elif isinstance(m, DeltaNet):
-        K, V = m.key_dim, m.value_dim
-        q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
-        log_alpha = -torch.exp(m.A_log) * F.softplus(randn() + m.dt_bias) if m.gated else None
-        op, args = "delta_rule", [q, k, randn(V), torch.sigmoid(randn()), log_alpha, K**-0.5]
-    elif isinstance(m, MLSTM):
-        K, V = m.qk_head, m.v_head
-        i_pre = soft_cap(torch.empty(batch, T, n_heads).uniform_(-10, 0), m.gate_soft_cap)
-        f_pre = soft_cap(m.fgate.bias + randn(), m.gate_soft_cap)  # bias 3..6 across heads: forget gates open
-        op, args = "mlstm", [randn(K), randn(K), randn(V), i_pre, f_pre]
-    elif isinstance(m, Mesa):
-        K, V = m.key_dim, m.value_dim
-        q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
-        beta = torch.sigmoid(randn() + m.beta_proj.bias)  # bias 0
-        log_gamma = F.logsigmoid(randn() + m.gamma_proj.bias)  # the gate biases of its gamma_init
-        if m.gamma_cap is not None:
-            log_gamma = log_gamma + torch.log1p(-(1 - m.gamma_cap) * beta**2)
-        op, args = "mesa", [q, k, randn(V), log_gamma, beta, m.lam().clone()]  # lam [H, K], 1 at init
-    else:
-        raise ValueError(f"{mixer!r} has no chunkwise/recurrent op to benchmark")
-    args = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
-    return op, args, torch.randn(batch, T, n_heads, V)
+    call = MIXERS[mixer](d_model, n_heads, head_dim, **options).bench_op(batch, T)
+    if call is None:
+        raise UserError(f"{mixer} has no chunkwise/recurrent op to benchmark")
+    call.args = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in call.args]
+    return call, torch.randn(call.out_shape)
+
+
+def op_inputs(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int) -> tuple:
+    """(op name, positional inputs, output projection) of a mixer with default options; the op is OPS[name]."""
+    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
+    return call.op, call.args, proj
+
+
+def op_fns(call: OpCall) -> tuple[Form, Form]:
+    return Form(call.chunkwise, call.kwargs), Form(call.recurrent, call.kwargs)
 
 
 def forward_backward(fn, args: list, proj: torch.Tensor) -> torch.Tensor:
@@ -143,111 +99,99 @@ def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = mat
     return 1e3 * best
 
 
-def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int,
-             cg_steps: int = MESA_CG_STEPS, cg_tol: float | None = None) -> float:
+def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int, options: dict) -> float:
     """Run in a fresh process: peak RSS of one chunkwise forward + backward minus the RSS after inputs exist, MiB.
 
     RSS accounting is approximate: figures within a few tenths of a MiB of 0 (even negative) are noise."""
     # A short run first, so one-time costs (autograd threads, library buffers) do not count as memory that grows in T.
-    op, args, proj = op_inputs(mixer, 64, d_model, n_heads, head_dim, batch)
-    chunkwise = op_fns(op, cg_steps, cg_tol)[0]
-    forward_backward(chunkwise, args, proj)
-    op, args, proj = op_inputs(mixer, T, d_model, n_heads, head_dim, batch)
-    return peak_growth_mib(lambda: forward_backward(chunkwise, args, proj))
+    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch, **options)
+    forward_backward(op_fns(call)[0], call.args, proj)
+    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch, **options)
+    chunkwise = op_fns(call)[0]
+    return peak_growth_mib(lambda: forward_backward(chunkwise, call.args, proj))
 
 
-def bench_mixers(mixers: list[str] = ["mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa"],  # noqa: B006
-                 lengths: list[int] = [512, 2048, 8192], d_model: int = 256, n_heads: int = 4,  # noqa: B006
-                 head_dim: int = 64, batch: int = 1, recurrent_max_len: int = 2048, memory: bool = True,
-                 repeats: int = 3, max_s: float = 5.0, mesa_cg_steps: list[int] = [0, 5, 10, 30],  # noqa: B006
-                 mesa_cg_tol: float | None = 1e-4, mesa_recurrent_max_len: int = MESA_RECURRENT_MAX_LEN,
-                 json_out: str | None = None) -> dict:
+def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 2048, 8192],  # noqa: B006
+                 d_model: int = 256, n_heads: int = 4, head_dim: int = 64, batch: int = 1,
+                 recurrent_max_len: int = 2048, memory: bool = True, repeats: int = 3, max_s: float = 5.0,
+                 variants: bool = True, json_out: str | None = None) -> dict:
     """Time forward + backward of each mixer's op, chunkwise and recurrent, and the chunkwise form's peak memory.
 
     Args:
-        mixers: Mixers whose op to run (names in lm.mixers.MIXERS, attention excluded).
+        mixers: Mixers whose op to run (names in lm.mixers.MIXERS with a recurrent op; default: all of them).
         lengths: Sequence lengths T.
         d_model: Model width the mixers' head shapes derive from.
         n_heads: Heads of each mixer.
-        head_dim: head_dim option of the mixers (key or state size; mLSTM ignores it).
+        head_dim: head_dim of the mixers (key or state size; some mixers ignore it).
         batch: Sequences per call.
         recurrent_max_len: Time the recurrent form only up to this T (its step loop is slow); null beyond.
-        memory: Also measure the chunkwise form's peak memory, one fresh process per (mixer, T); for mesa only the
-            row with the mixer's default CG steps (30) and no tolerance.
+        memory: Also measure the chunkwise form's peak memory, one fresh process per (mixer, T); default rows only.
         repeats: Timed calls per figure after one warm-up; the best counts.
         max_s: Stop a figure's timed calls early (after at least one) once they add up to this many seconds; a
             warm-up call that alone takes this long is the figure (one call).
-        mesa_cg_steps: CG step counts of the mesa rows, one row ("mesa (cg N)") per count and T.
-        mesa_cg_tol: Also a row "mesa (tol X)" with 30 CG steps that stop early at this relative residual; None:
-            no such row. Every mesa row reports the mean CG iterations of its forward solve.
-        mesa_recurrent_max_len: Time mesa's recurrent form (a CG solve per step, by far the slowest loop) only up
-            to this T, and only for the row with 30 steps and no tolerance.
+        variants: Also the rows of each mixer's `bench_variants` ("mesa (cg 5)"), chunkwise only.
         json_out: Also write the result as JSON to this path.
 
-    Mesa rows also get vs_gated_deltanet: their chunkwise time over gated_deltanet's at the same T (null when
-    gated_deltanet is not among mixers).
+    Each row of a mixer with a `bench_reference` also gets vs_reference: its chunkwise time over the reference
+    mixer's at the same T (null when the reference is not among mixers). Rows of ops that report info (Mesa) give
+    its mean CG iterations.
     """
-    unknown = [m for m in mixers if not issubclass(MIXERS.get(m, object), (Mamba2, DeltaNet, MLSTM, Mesa))]
-    if (unknown or repeats < 1 or batch < 1 or min(lengths, default=0) < 1
-            or any(not isinstance(s, int) or s < 0 for s in mesa_cg_steps)
-            or not (mesa_cg_tol is None or mesa_cg_tol > 0)):
-        raise UserError(f"mixers must be among mamba2, mlstm, deltanet, gated_deltanet, mesa (unknown: {unknown}); "
-                        f"repeats, batch and lengths (at least one) must be >= 1, mesa_cg_steps >= 0 and "
-                        f"mesa_cg_tol positive or None")
+    known = bench_mixer_names()
+    mixers = known if mixers is None else mixers
+    unknown = [m for m in mixers if m not in known]
+    if unknown or repeats < 1 or batch < 1 or min(lengths, default=0) < 1:
+        raise UserError(f"mixers must be among {', '.join(known)} (unknown: {unknown}); repeats, batch and lengths "
+                        f"(at least one) must be >= 1")
     shape = dict(d_model=d_model, n_heads=n_heads, head_dim=head_dim, batch=batch)
-    mesa_max_len = min(recurrent_max_len, mesa_recurrent_max_len)
-    runs = []  # (mixer, row label, CG steps, CG tolerance); the CG settings only matter for mesa
+    runs = []  # (mixer, row label, options, default row)
     for mixer in mixers:
-        if mixer != "mesa":
-            runs.append((mixer, mixer, MESA_CG_STEPS, None))
-            continue
-        runs += [(mixer, f"mesa (cg {steps})", steps, None) for steps in mesa_cg_steps]
-        if mesa_cg_tol is not None:
-            runs.append((mixer, f"mesa (tol {tol_label(mesa_cg_tol)})", MESA_CG_STEPS, mesa_cg_tol))
-    rows, measured = [], []  # measured: (row, mixer, CG settings) of the rows whose peak memory to measure
-    for mixer, label, cg_steps, cg_tol in runs:
-        # mesa's recurrent form and peak memory only at the mixer's own setting (its default steps, no tolerance).
-        default_mesa = cg_steps == MESA_CG_STEPS and cg_tol is None
-        max_len = recurrent_max_len if mixer != "mesa" else mesa_max_len if default_mesa else 0
+        runs.append((mixer, mixer, {}, True))
+        for label, options in (MIXERS[mixer].bench_variants.items() if variants else ()):
+            runs.append((mixer, f"{mixer} ({label})", options, False))
+    rows, measured = [], []  # measured: (row, mixer) of the rows whose peak memory to measure
+    for mixer, label, options, default in runs:
         for T in lengths:
-            op, args, proj = op_inputs(mixer, T, **shape)
-            chunkwise, recurrent = op_fns(op, cg_steps, cg_tol)
-            chunk_ms = best_ms(chunkwise, args, proj, repeats, max_s)
-            recurrent_ms = best_ms(recurrent, args, proj, repeats, max_s) if T <= max_len else None
-            row = {"mixer": label, "op": op, "T": T, "chunk_ms": chunk_ms, "recurrent_ms": recurrent_ms,
+            call, proj = op_call(mixer, T, **shape, **options)
+            chunkwise, recurrent = op_fns(call)
+            chunk_ms = best_ms(chunkwise, call.args, proj, repeats, max_s)
+            timed = default and T <= recurrent_max_len
+            recurrent_ms = best_ms(recurrent, call.args, proj, repeats, max_s) if timed else None
+            info = chunkwise.info
+            row = {"mixer": label, "op": call.op, "T": T, "chunk_ms": chunk_ms, "recurrent_ms": recurrent_ms,
                    "ratio": None if recurrent_ms is None else recurrent_ms / chunk_ms,
                    "peak_mib": None, "mib_per_1k_tokens": None,
-                   "cg_iterations": float(chunkwise.info["iterations"]) if op == "mesa" else None,
-                   "vs_gated_deltanet": None}
+                   "cg_iterations": float(info["iterations"]) if info else None, "vs_reference": None}
             rows.append(row)
-            if mixer != "mesa" or default_mesa:
-                measured.append((row, mixer, cg_steps, cg_tol))
-    gated = {r["T"]: r["chunk_ms"] for r in rows if r["mixer"] == "gated_deltanet"}
-    for r in rows:
-        if r["op"] == "mesa" and r["T"] in gated:
-            r["vs_gated_deltanet"] = r["chunk_ms"] / gated[r["T"]]
+            if default:
+                measured.append((row, mixer))
+    chunk_ms = {(r["mixer"], r["T"]): r["chunk_ms"] for r in rows}
+    for (mixer, label, _, _) in runs:
+        reference = MIXERS[mixer].bench_reference
+        for r in rows:
+            if r["mixer"] == label and (reference, r["T"]) in chunk_ms:
+                r["vs_reference"] = r["chunk_ms"] / chunk_ms[reference, r["T"]]
+                r["reference"] = reference
     if memory:
         with fresh_processes() as pool:
-            for r, mixer, cg_steps, cg_tol in measured:
-                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), dict(shape, cg_steps=cg_steps, cg_tol=cg_tol))
+            for r, mixer in measured:
+                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), dict(shape, options={}))
                 r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)
     result = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
               "threads": torch.get_num_threads(), **shape, "repeats": repeats, "max_s": max_s,
-              "recurrent_max_len": recurrent_max_len, "mesa_recurrent_max_len": mesa_max_len, "rows": rows}
+              "recurrent_max_len": recurrent_max_len, "rows": rows}
 
     print(json.dumps(result, indent=2))
     fmt = lambda x, spec: "–" if x is None else format(x, spec)
     print("\n| mixer | op | T | chunkwise ms | recurrent ms | recurrent / chunkwise | peak MiB | MiB / 1k tokens "
-          "| CG iterations | chunkwise / gated_deltanet |")
+          "| CG iterations | chunkwise / reference |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        vs = "–" if r["vs_reference"] is None else f"{r['vs_reference']:.2f} ({r['reference']})"
         print(f"| {r['mixer']} | {r['op']} | {r['T']} | {r['chunk_ms']:.1f} | {fmt(r['recurrent_ms'], '.1f')} "
               f"| {fmt(r['ratio'], '.1f')} | {fmt(r['peak_mib'], '.1f')} | {fmt(r['mib_per_1k_tokens'], '.2f')} "
-              f"| {fmt(r['cg_iterations'], '.2f')} | {fmt(r['vs_gated_deltanet'], '.2f')} |")
-    if "mesa" in mixers:
-        print(f"\nmesa: recurrent form timed only with cg {MESA_CG_STEPS} (no tolerance) and only at T <= "
-              f"{mesa_max_len} (mesa_recurrent_max_len {mesa_recurrent_max_len}, recurrent_max_len "
-              f"{recurrent_max_len}); peak memory only with cg {MESA_CG_STEPS}.")
+              f"| {fmt(r['cg_iterations'], '.2f')} | {vs} |")
+    print("\nRows with options in parentheses (bench_variants): chunkwise only; recurrent form and peak memory for the "
+          "default rows.")
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=2)

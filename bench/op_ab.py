@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.mixer_speed import MESA_CG_STEPS, OPS, MesaCall, forward_backward, op_inputs
+from bench.mixer_speed import OPS, Form, bench_mixer_names, forward_backward, op_call
 from bench.timing import best_interleaved
 from lm.errors import UserError
 
@@ -34,13 +34,13 @@ def op_at_revision(op: str, rev: str):
     return getattr(module, op)
 
 
-def bench_ab(rev: str, mixers: list[str] = ["mesa"], lengths: list[int] = [512, 2048],  # noqa: B006
+def bench_ab(rev: str, mixers: list[str] | None = None, lengths: list[int] = [512, 2048],  # noqa: B006
              d_model: int = 256, n_heads: int = 4, head_dim: int = 64, batch: int = 1, repeats: int = 4) -> list[dict]:
     """Forward + backward time of each mixer's op at revision REV over the working tree's, as old / new.
 
     Args:
         rev: The git revision to compare with (a commit, tag or HEAD~1).
-        mixers: Mixers whose op is timed (as in `lm bench mixer`).
+        mixers: Mixers whose op is timed, with their default options (as in `lm bench mixer`; default: all).
         lengths: Sequence lengths T.
         d_model: Model width the head shapes come from.
         n_heads: Heads.
@@ -51,14 +51,13 @@ def bench_ab(rev: str, mixers: list[str] = ["mesa"], lengths: list[int] = [512, 
     if repeats < 1 or batch < 1 or any(T < 1 for T in lengths):
         raise UserError("--repeats, --batch and --lengths must be positive")
     rows = []
-    for mixer in mixers:
+    for mixer in bench_mixer_names() if mixers is None else mixers:
         for T in lengths:
-            op, args, proj = op_inputs(mixer, T, d_model, n_heads, head_dim, batch)
+            call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
+            op, args = call.op, call.args
             if op not in OPS:
                 raise UserError(f"{mixer} has no op to compare")
-            old, new = op_at_revision(op, rev), OPS[op][0]
-            if op == "mesa":
-                old, new = MesaCall(old, MESA_CG_STEPS, None), MesaCall(new, MESA_CG_STEPS, None)
+            old, new = Form(op_at_revision(op, rev), call.kwargs), Form(OPS[op][0], call.kwargs)
             outputs = {side: forward_backward(fn, args, proj) for side, fn in (("old", old), ("new", new))}
             calls = {side: functools.partial(forward_backward, fn, args, proj) for side, fn in (("old", old),
                                                                                                   ("new", new))}

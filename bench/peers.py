@@ -175,7 +175,7 @@ def bench_mlstm(native, lengths, d_model, n_heads, batch, repeats, device) -> di
     mixer = MLSTM(d_model, n_heads)
     rows = []
     for T in lengths:
-        _, args, proj = op_inputs("mlstm", T, d_model, n_heads, 0, batch)
+        _, args, proj = op_inputs(MLSTM.name, T, d_model, n_heads, 0, batch)
         lm_call, peer_call, out_diff, grad_diff = compare_mlstm(
             native, [a.to(device) for a in args], proj.to(device), mixer.eps, mixer.chunk_size)  # also a warm-up
         seconds = best_interleaved({"lm": lm_call, "native": peer_call}, repeats, device)
@@ -224,11 +224,11 @@ def bench_peers(d_model: int = 512, n_layers: int = 4, n_heads: int = 8, head_di
         "litgpt": importlib.metadata.version("litgpt"), "mlstm_kernels": importlib.metadata.version("mlstm_kernels"),
         "gpt": bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch, steps, warmup,
                          repeats, device),
-        "mlstm": bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device),
+        "mlstm_op": bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device),
     }  # fmt: skip
 
     print(json.dumps(result, indent=2))
-    g, m = result["gpt"], result["mlstm"]
+    g, m = result["gpt"], result["mlstm_op"]
     print(f"\nGPT training step ({result['device']}, {g['params_lm'] / 1e6:.2f}M params each, "
           f"{g['flops_per_token'] / 1e6:.1f} MFLOP/token, logits agree to {g['logits_max_abs_diff']:.1e})\n")
     print("| d_model | n_layers | seq_len | batch | lm tokens/s | litgpt tokens/s | lm / litgpt |")

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from lm.flops import param_count
+from lm.mixers import MIXERS
 from lm.model import LMConfig
 from lm.sizing import match_params_by_mlp
 
@@ -18,15 +19,14 @@ SIZES = ("145m", "400m", "1b")
 
 
 def mixer_shape(mixer: str, attention: LMConfig) -> dict:
-    """Each mixer with its paper's defaults and the paper's key size 128. Gated DeltaNet keeps its paper's
-    ratio of keys (d/2, here in heads of 128) to values (d, expand_v 2), so it has half the heads."""
-    if mixer == "gated_deltanet":
-        return {"n_heads": attention.n_heads // 2}
-    return {}
+    """Each mixer with its paper's defaults and the paper's key size 128. A mixer whose paper has keys of d/2 and
+    values of d (Gated DeltaNet, GLA: `paper_heads` 0.5) has half the heads, of 128 keys, and expand_v 2."""
+    return {"n_heads": max(1, int(attention.n_heads * MIXERS[mixer].paper_heads))}
 
 
 # Hybrids: a config name -> the layer pattern cycled over the depth.
-HYBRIDS = {"mesa_attention": "mesa,attention"}
+HYBRIDS = {"hawk_mesa": "hawk,mesa", "mesa_attention": "mesa,attention"}
+PAPER_HYBRIDS = ("hawk_mesa",)  # the MesaNet paper's rows (Hawk-Mesa), which `lm compare demo` compares too
 
 
 def write(name: str, size: str) -> Path:
@@ -49,6 +49,6 @@ def write(name: str, size: str) -> Path:
 
 
 if __name__ == "__main__":
-    for name in ("mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa", *HYBRIDS):
+    for name in (*(m for m in MIXERS if m != "attention"), *HYBRIDS):  # each matched to attention
         for size in SIZES:
             print(write(name, size))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lm.errors import UserError
+from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 
 
@@ -102,41 +104,36 @@ def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_lay
             "seconds": time.perf_counter() - start}
 
 
-# Training steps per mixer for the default task (each a minute or less on 2 CPU cores). Attention needs an
-# induction circuit over its two layers, which forms after ~500 steps; mixers with short convolutions can bind a
-# key to the value after it within one layer.
-# Mamba2 binds a key to its value more slowly: 94% after 600 steps, 99.8% after 1000 (Dec 3 2026).
-STEPS = {"attention": 1500, "mamba2": 1000, "mlstm": 500, "deltanet": 300, "gated_deltanet": 300, "mesa": 300}
-# Options other than the mixer's defaults. mLSTM gets the short convolution of the first xLSTM paper's block:
-# xLSTM 7B's block (the default, no convolution) stays near 35% here, with it 96-99% (docs/mqar.md).
-OPTIONS = {"mlstm": {"conv_size": 4}}
-
-
-def mqar_table(mixers: list[str] = list(STEPS),  # noqa: B006
+def mqar_table(mixers: list[str] | None = None,
                vocab: int = 32, pairs: int = 4, steps: int | None = None, batch: int = 64, lr: float = 3e-3,
                d_model: int = 64, n_heads: int = 2, head_dim: int = 32, seed: int = 0,
                mixer_options: dict[str, dict] | None = None, json_out: str | None = None) -> list[dict]:
     """Train a 2-layer model of each mixer on MQAR and print their accuracies side by side.
 
     Args:
-        mixers: Mixers to compare.
+        mixers: Mixers to compare (default: every registered mixer).
         vocab: Vocabulary (keys from the lower half, values from the upper half).
         pairs: Key-value pairs per sequence (each is queried once).
-        steps: Training steps per model (default: STEPS of each mixer).
+        steps: Training steps per model (default: each mixer's `mqar_steps`).
         batch: Sequences per step (fresh ones every step).
         lr: Peak learning rate (one-cycle schedule).
         d_model: Width.
         n_heads: Heads.
         head_dim: Key size per head.
         seed: Seed of the model and the data.
-        mixer_options: Options per mixer, instead of eval.mqar.OPTIONS (e.g. {mlstm: {conv_size: 0}} for
+        mixer_options: Options per mixer, instead of its `mqar_options` (e.g. {mlstm: {conv_size: 0}} for
             xLSTM 7B's block as it is).
         json_out: Also write the rows as JSON here.
     """
     task = MQARTask(vocab=vocab, pairs=pairs)
-    options = {**OPTIONS, **(mixer_options or {})}
-    rows = [train_mqar(m, task, d_model=d_model, n_heads=n_heads, head_dim=head_dim, steps=steps or STEPS.get(m, 1000),
-                       batch=batch, lr=lr, seed=seed, mixer_options=options.get(m)) for m in mixers]
+    mixers = list(MIXERS) if mixers is None else mixers
+    unknown = [m for m in mixers if m not in MIXERS]
+    if unknown:
+        raise UserError(f"unknown mixers {unknown}; known: {', '.join(MIXERS)}")
+    options = {m: MIXERS[m].mqar_options for m in mixers} | (mixer_options or {})
+    rows = [train_mqar(m, task, d_model=d_model, n_heads=n_heads, head_dim=head_dim,
+                       steps=steps or MIXERS[m].mqar_steps, batch=batch, lr=lr, seed=seed, mixer_options=options.get(m))
+            for m in mixers]
     print(f"MQAR: vocab {vocab}, {pairs} pairs, length {task.seq_len}, 2 layers, d {d_model}, batch {batch}, lr {lr}")
     print("| mixer | options | params | state floats | steps | accuracy | final loss | seconds |\n"
           "|---|---|---|---|---|---|---|---|")

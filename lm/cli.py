@@ -74,7 +74,7 @@ commands:
   slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint
   compare plan  shapes matched in parameters or FLOPs, tokens per budget, configs + a sweep per lr and seed
   compare report  runs side by side (best lr per architecture): report.md, report.csv, PNG plots, report.html
-  compare demo  the showcase on CPU (~13 min): six mixers at matched parameters, corpus + MQAR, then the report
+  compare demo  the showcase on CPU (under 20 min): every mixer and Hawk-Mesa at matched parameters, corpus + MQAR
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 

@@ -26,7 +26,7 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
     """Prepare the bundled KJV corpus, train the tiny model of configs/demo.yaml on CPU, evaluate, sample.
 
     Args:
-        mixer: The sequence mixer of every layer (attention, mamba2, mlstm, deltanet, gated_deltanet).
+        mixer: The sequence mixer of every layer (a name in lm.mixers.MIXERS).
         run_dir: Where everything goes (data, checkpoints, logs, evaluation); default runs/demo, or
             runs/demo-MIXER for another mixer. A rerun resumes there.
         max_steps: Override the recipe's optimizer steps.

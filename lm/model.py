@@ -10,7 +10,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from lm.errors import UserError
-from lm.mixers import MIXERS
+from lm.mixers import MIXERS, MixerOptionError
+from lm.mixers.layers import residual_output
 
 
 @dataclass
@@ -53,9 +54,23 @@ class LMConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
-        for name in set(self.layer_mixers()) | set(self.mixer_options):
+        for name in sorted(set(self.layer_mixers()) | set(self.mixer_options)):
             if name not in MIXERS:
                 raise UserError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
+            self._check_mixer(name)
+
+    def _check_mixer(self, name: str) -> None:
+        """Options against the mixer's Options (names, types), then a build on the meta device (no memory, no init
+        cost) for what only the constructor knows (e.g. heads that do not divide): at parse time, in one line."""
+        options = self.mixer_options.get(name) or {}
+        if not isinstance(options, dict):
+            raise UserError(f"model.mixer_options.{name} must be a mapping of option names to values, got {options!r}")
+        try:
+            MIXERS[name].check_options(options)
+            with torch.device("meta"):
+                MIXERS[name](self.d_model, self.n_heads, self.head_dim, 0, **options)
+        except (MixerOptionError, ValueError) as err:
+            raise UserError(f"model.mixer_options.{name}: {err}") from None
 
     def layer_mixers(self) -> list[str]:
         """The mixer name of every layer: ``layer_pattern`` cycled over the depth, else ``mixer`` everywhere."""
@@ -72,7 +87,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.down_proj = residual_output(nn.Linear(hidden, d_model, bias=False))
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -106,12 +121,13 @@ class LanguageModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Normal(0, init_std) for matrices, scaled by 1/sqrt(2 n_layers) on the residual outputs (GPT-2);
-        then each mixer's own gates and decays, which know their papers' initialisations."""
-        for name, module in self.named_modules():
+        """Normal(0, init_std) for matrices, scaled by 1/sqrt(2 n_layers) on the residual outputs (GPT-2: the
+        projections marked with lm.mixers.layers.residual_output); then each mixer's own gates and decays, which
+        know their papers' initialisations."""
+        for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = self.cfg.init_std
-                if name.endswith(("out_proj", "down_proj")):
+                if getattr(module.weight, "residual_output", False):
                     std /= math.sqrt(2 * self.cfg.n_layers)
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.model import LanguageModel, LMConfig
-from lm.param_groups import param_groups
+from lm.param_groups import decay_groups, param_groups
 from lm.rng import rng_state, set_rng_state
 from lm.schedule import OptimConfig, lr_at
 
@@ -29,6 +29,7 @@ class LMModule(L.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps})
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
         self.model = LanguageModel(model)
+        self.decay_groups = decay_groups(self.model)  # now: FSDP2's sharded parameters lose the mixers' markers
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
 
@@ -78,7 +79,7 @@ class LMModule(L.LightningModule):
             self.log("val/ppl", math.exp(min(float(loss), 50.0)), sync_dist=False)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(param_groups(self.model, self.optim_cfg), lr=self.optim_cfg.lr,
+        optimizer = torch.optim.AdamW(param_groups(self.model, self.optim_cfg, self.decay_groups), lr=self.optim_cfg.lr,
                                       betas=self.optim_cfg.betas, eps=self.optim_cfg.eps)
         factor = lambda step: lr_at(step, self.max_steps, self.optim_cfg) / self.optim_cfg.lr  # noqa: E731
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

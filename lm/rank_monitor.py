@@ -80,14 +80,13 @@ class RankMonitor(L.Callback):
         if step % self.every or step == self._logged_at:
             return
         self._logged_at = step
-        layers = [(i, pl_module.model.blocks[i].mixer) for i, name in enumerate(pl_module.model_cfg.layer_mixers())
-                  if name == "attention"]
+        layers = [(i, block.mixer) for i, block in enumerate(pl_module.model.blocks)
+                  if hasattr(block.mixer, "qk_ov_weights")]  # the mixers with attention's W_Q, W_K, W_V, W_O
         if not layers or not (trainer.is_global_zero or is_sharded(pl_module)):
             return  # unsharded, rank 0 alone has all it needs; sharded, every rank takes part in the gathers
         metrics = {}
         for i, attn in layers:
-            projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.out_proj.weight]
-            with full_weights(projections) as (wq, wk, wv, wo):
+            with full_weights(list(attn.qk_ov_weights())) as (wq, wk, wv, wo):
                 if trainer.is_global_zero:
                     qk, ov = head_ranks(wq, wk, wv, wo, attn.n_heads, attn.n_kv_heads, attn.head_dim)
                     metrics[f"rank/qk/layer{i}"], metrics[f"rank/ov/layer{i}"] = qk.mean().item(), ov.mean().item()

@@ -31,7 +31,7 @@ def test_bench_peers_figures(tmp_path, capsys, one_thread):
     for key in ("tokens_per_s_lm", "tokens_per_s_litgpt", "lm_vs_litgpt", "flops_per_token"):
         assert g[key] > 0, key
     assert g["lm_vs_litgpt"] == pytest.approx(g["tokens_per_s_lm"] / g["tokens_per_s_litgpt"])
-    m = result["mlstm"]
+    m = result["mlstm_op"]
     assert (m["K"], m["V"], m["chunk_size"]) == (16, 32, 64)  # d/2 and d split over 2 heads
     assert [r["T"] for r in m["rows"]] == [64, 100]
     for r in m["rows"]:

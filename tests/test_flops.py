@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lm import flops, ops
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig, SwiGLU
+from lm.ops import flops as op_flops
 
 TOL = 0.05  # the issue's bound, for mixers and models (their vector parameters put them ~1% off)
 EXACT = 1e-9  # the ops and the MLP: the formulas count their products one by one
@@ -80,9 +81,9 @@ def op_inputs(B, T, H, K, V, n_gates, seed=0):
 def op_case(name, B, T, H, K, V, C):
     """(call, analytic forward, analytic forward + backward) of one op, the analytic per padded token x tokens x H."""
     tokens = B * H * math.ceil(T / C) * C  # the chunkwise ops pad T up to a multiple of the chunk
-    la, dr, ml = flops.linear_attention_op_flops(C, K, V), flops.delta_rule_op_flops(C, K, V), flops.mlstm_op_flops(
-        C, K, V)
-    dr_train = flops.delta_rule_op_train_flops(C, K, V, math.ceil(T / C))
+    la, dr = op_flops.linear_attention_op_flops(C, K, V), op_flops.delta_rule_op_flops(C, K, V)
+    ml = op_flops.mlstm_op_flops(C, K, V)
+    dr_train = op_flops.delta_rule_op_train_flops(C, K, V, math.ceil(T / C))
     if name == "linear_attention":
         q, k, v, log_g, beta = op_inputs(B, T, H, K, V, 2)
         return lambda: ops.linear_attention(q, k, v, log_g.log(), beta, chunk_size=C, backend="torch")[0], \
@@ -104,8 +105,8 @@ def op_case(name, B, T, H, K, V, C):
     call = lambda: ops.mesa(q, k, v, gamma.log(), beta, lam, cg_steps=steps, chunk_size=C, backend="torch",
                             return_info=True)[0]
     final_key_state = 0 if steps else B * T * H * 2 * K * K  # cg_steps=0 still carries H_T (no loss reads it)
-    return (call, tokens * flops.mesa_op_flops(C, K, V, steps) + final_key_state,
-            tokens * flops.mesa_op_train_flops(C, K, V, steps) + final_key_state)
+    return (call, tokens * op_flops.mesa_op_flops(C, K, V, steps) + final_key_state,
+            tokens * op_flops.mesa_op_train_flops(C, K, V, steps) + final_key_state)
 
 
 OPS = ["linear_attention", "delta_rule", "gated_delta_rule", "mlstm", "mesa_cg0", "mesa_cg3"]
@@ -128,7 +129,7 @@ def test_the_counters_blind_spots_are_real():
     with FlopCounterMode(display=False) as fc:
         ops.delta_rule(q, k, v, beta, chunk_size=C, backend="torch")
     solve = B * T * H * (C - 1) * (K + V)
-    assert fc.get_total_flops() == B * T * H * flops.delta_rule_op_flops(C, K, V) - solve
+    assert fc.get_total_flops() == B * T * H * op_flops.delta_rule_op_flops(C, K, V) - solve
     with FlopCounterMode(display=False) as fc:
         F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), is_causal=True)
     assert fc.get_total_flops() == 0
@@ -146,14 +147,20 @@ LAYER_SIZES = [(1, 32, 32, 2, 16, {}), (2, 40, 48, 3, 16, {"n_kv_heads": 1})]
 CHUNK = 16
 MIXER_OPTIONS = {"attention": {}, "mamba2": {"chunk_size": CHUNK}, "mlstm": {"chunk_size": CHUNK},
                  "deltanet": {"chunk_size": CHUNK}, "gated_deltanet": {"chunk_size": CHUNK},
-                 "mesa": {"chunk_size": CHUNK, "cg_steps": 3}}
+                 "mesa": {"chunk_size": CHUNK, "cg_steps": 3}, "swa": {"window": 16},
+                 "gla": {"chunk_size": 32, "sub_chunk": 8, "conv_size": 3}, "hawk": {"chunk_size": CHUNK}}
 
 
-def full_context(cfg: LMConfig, T: int) -> float:
-    """The attention op's FLOPs per token as the counter sees the math backend: every query against all T keys, not
-    the causal (T + 1) / 2 that lm.flops counts (the counter ignores the mask, the math path computes the masked
-    half too; causal kernels such as flash attention skip it)."""
-    return flops.op_flops("attention", cfg, T, {}) * 2 * T / (T + 1)
+def full_context(name: str, cfg: LMConfig, T: int, training: bool = False) -> float:
+    """An attention-like op's FLOPs per token as the counter sees the math backend: every query against all T keys,
+    not the mean context (causal (T + 1) / 2, or the window's) that lm.flops counts (the counter ignores the mask, the
+    math path computes the masked part too; causal kernels such as flash attention skip it)."""
+    cls, options = MIXERS[name], cfg.mixer_options.get(name, {})
+    return flops.op_flops(name, cfg, T, training) * T / cls.mean_context(T, **options)
+
+
+def attention_like(name: str) -> bool:
+    return hasattr(MIXERS[name], "mean_context")
 
 
 def layer_cfg(name, d, h, hd, options, **kwargs) -> LMConfig:
@@ -171,10 +178,12 @@ def test_mixer_flops_match_the_counter(name, size):
     mixer = MIXERS[name](d, h, hd, 0, **cfg.mixer_options[name])
     x = torch.randn(B, T, d, requires_grad=True)
     matrices = 2 * flops.mixer_params(name, cfg)
-    op, op_train = flops.op_flops(name, cfg, T, cfg.mixer_options[name]), flops.op_train_flops(
-        name, cfg, T, cfg.mixer_options[name])
-    if name == "attention":  # the counter's full context; training is 3x either way
-        op, op_train = full_context(cfg, T), 3 * full_context(cfg, T)
+    op, op_train = flops.op_flops(name, cfg, T), flops.op_flops(name, cfg, T, training=True)
+    if attention_like(name):  # the counter's full context
+        op, op_train = full_context(name, cfg, T), full_context(name, cfg, T, training=True)
+    cls = MIXERS[name]
+    if not attention_like(name):
+        assert cls.flops_per_token(d, h, hd, T, False, **cfg.mixer_options[name]) == matrices + op
     counted_forward, counted_train = counted(lambda: mixer(x)[0])
     assert_close(B * T * (matrices + op), counted_forward)
     assert_close(B * T * (3 * matrices + op_train), counted_train)
@@ -205,10 +214,9 @@ def test_model_flops_match_the_counter(name):
     torch.manual_seed(0)
     model = LanguageModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
-    attention_layers = cfg.layer_mixers().count("attention")
-    causal_gap = attention_layers * (full_context(cfg, T) - flops.op_flops("attention", cfg, T, {}))
-    forward = flops.forward_flops_per_token(cfg, T) + causal_gap
-    train = flops.train_flops_per_token(cfg, T) + 3 * causal_gap
+    gap = sum(full_context(n, cfg, T) - flops.op_flops(n, cfg, T) for n in cfg.layer_mixers() if attention_like(n))
+    forward = flops.forward_flops_per_token(cfg, T) + gap
+    train = flops.train_flops_per_token(cfg, T) + 3 * gap
     counted_forward, counted_train = counted(lambda: model(ids)[0])
     assert_close(B * T * forward, counted_forward)
     assert_close(B * T * train, counted_train)
@@ -218,8 +226,8 @@ def test_only_attention_layers_have_a_context_term():
     """A recurrent layer's cost per token does not grow with T (beyond chunk padding); an attention layer's does."""
     for name in sorted(MIXERS):
         cfg = layer_cfg(name, 32, 2, 16, {})
-        short, long = (flops.op_flops(name, cfg, T, cfg.mixer_options[name]) for T in (64, 4096))
-        assert (long > 10 * short) == (name == "attention"), name
+        short, long = (flops.op_flops(name, cfg, T) for T in (64, 4096))
+        assert (long > 10 * short) == (name == "attention"), name  # a window of 1024 stops growing at 1024
 
 
 def test_parameter_counts_with_and_without_embeddings():

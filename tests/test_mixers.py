@@ -8,7 +8,7 @@ import torch
 
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.param_groups import param_groups
+from lm.param_groups import decay_groups, param_groups
 from lm.schedule import OptimConfig
 
 OPTIONS = {
@@ -18,6 +18,9 @@ OPTIONS = {
     "deltanet": [{}, {"expand_v": 2.0, "conv_size": 2}],
     "gated_deltanet": [{}, {"expand_v": 1.0}],
     "mesa": [{}, {"expand_v": 2.0, "conv_v": True, "output_gate": True}],
+    "swa": [{}, {"window": 5, "n_kv_heads": 2}],
+    "gla": [{}, {"expand_v": 1.0, "gate_rank": 8, "conv_size": 4}],
+    "hawk": [{}, {"expand": 1.0, "conv_size": 3}],
 }
 
 
@@ -28,12 +31,14 @@ def test_parameter_count_formula(name):
         assert MIXERS[name].param_count(48, 4, 12, **options) == sum(p.numel() for p in mixer.parameters()), options
 
 
-@pytest.mark.parametrize("name", sorted(set(MIXERS) - {"attention"}))
+@pytest.mark.parametrize("name", sorted(MIXERS))
 def test_decay_and_gate_parameters_are_not_decayed(name):
     model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, head_dim=16, mixer=name))
     groups = {g["name"]: {id(p) for p in g["params"]} for g in param_groups(model, OptimConfig())}
     for pname, p in model.named_parameters():
-        if getattr(p, "no_weight_decay", False) or p.ndim < 2 or "embed" in pname:
+        if hasattr(p, "decay_group"):  # attention's q/k and v/o matrices: their own decay
+            assert id(p) in groups[p.decay_group], pname
+        elif getattr(p, "no_weight_decay", False) or p.ndim < 2 or "embed" in pname:
             assert id(p) in groups["no_decay"], pname
         else:
             assert id(p) in groups["decay"], pname
@@ -61,3 +66,21 @@ def test_mesa_gate_inits_give_the_memories_they_name(init, memories):
     assert (memory.diff() >= 0).all()
     with pytest.raises(ValueError, match="gamma_init"):
         MIXERS["mesa"](32, 4, 8, 0, gamma_init="wide")
+
+
+def test_parameter_groups_survive_parameters_that_lose_their_markers():
+    """FSDP2's fully_shard replaces each parameter with a new one that has none of the mixers' markers; the groups
+    taken from the unsharded model (LMModule does, at construction) still place every parameter by name."""
+    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, head_dim=16,
+                                   layer_pattern="mesa,attention"))
+    cfg = OptimConfig(weight_decay=0.1, qk_weight_decay=0.0, vo_weight_decay=0.05)
+    by_name = lambda groups: {g["name"]: sorted(n for n, p in model.named_parameters()
+                                                if any(p is q for q in g["params"])) for g in groups}
+    marked = by_name(param_groups(model, cfg))
+    groups = decay_groups(model)
+    for module in model.modules():  # what fully_shard does to the parameters, without a process group
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(p.detach().clone()))
+    assert by_name(param_groups(model, cfg, groups)) == marked
+    assert by_name(param_groups(model, cfg)) != marked  # read from the new parameters, the markers are gone
+    assert {"qk", "vo", "decay", "no_decay"} <= set(marked) and "blocks.0.mixer.lam_raw" in marked["no_decay"]

@@ -5,7 +5,7 @@ a model under autocast: tests/test_op_mesa.py.)"""
 import pytest
 import torch
 
-from bench.mixer_speed import OPS, op_inputs
+from bench.mixer_speed import OPS, bench_mixer_names, op_inputs
 
 
 def flat(result):
@@ -15,7 +15,7 @@ def flat(result):
 
 
 @pytest.mark.parametrize("form", ["chunkwise", "recurrent"])
-@pytest.mark.parametrize("mixer", ["mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa"])
+@pytest.mark.parametrize("mixer", bench_mixer_names())
 def test_op_ignores_autocast(mixer, form):
     op, args, _ = op_inputs(mixer, 70, 64, 2, 16, 1)
     fn = OPS[op][0 if form == "chunkwise" else 1]

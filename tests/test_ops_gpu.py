@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lm.ops.delta_rule import delta_rule
+from lm.ops.diagonal_scan import diagonal_scan
 from lm.ops.fla import fla_available
 from lm.ops.linear_attention import linear_attention
 
@@ -76,6 +77,28 @@ def test_linear_attention_fla_matches_torch():
 @pytest.mark.parametrize("gated", [True, False], ids=["gated_deltanet", "deltanet"])
 def test_delta_rule_fla_matches_torch(gated):
     check_against_torch(_delta_rule, make_inputs(gated_decay=gated))
+
+
+def test_linear_attention_per_key_decay_fla_matches_torch():
+    """GLA: log_gamma [B, T, H, K] goes to fla's chunk_gla."""
+    x = make_inputs(gated_decay=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    log_decay = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=g, device="cuda") + 3)
+    check_against_torch(_linear_attention, dict(x, log_decay=log_decay.requires_grad_()))
+
+
+def test_diagonal_scan_fla_matches_torch():
+    """diagonal_scan through fla's fused_recurrent_hgrn, with inputs as fla's own hgrn test builds them."""
+    D = H * K
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gate = torch.randn(B, T, D, generator=g, device="cuda")
+    x = dict(
+        x=((1 - gate.sigmoid()) * torch.randn(B, T, D, generator=g, device="cuda")).bfloat16().requires_grad_(),
+        log_a=torch.nn.functional.logsigmoid(gate).requires_grad_(),  # float32
+        initial_state=torch.randn(B, D, generator=g, device="cuda").requires_grad_(),
+    )
+    op = lambda x, backend: diagonal_scan(x["x"], x["log_a"], initial_state=x["initial_state"], backend=backend)
+    check_against_torch(op, x)
 
 
 def test_auto_uses_fla_for_cuda_bf16():

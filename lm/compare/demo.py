@@ -1,12 +1,13 @@
-"""`lm compare demo`: the showcase comparison, on a 2-core CPU in about 13 minutes. The six mixers at matched parameters
-(lm compare plan) train on the bundled corpus for the same tokens, `lm eval ppl` evaluates each, `lm eval mqar` probes
-recall, and `lm compare report` puts it all side by side, the MQAR table included.
+"""`lm compare demo`: the showcase comparison on a 2-core CPU. Every registered mixer and the MesaNet paper's hybrids
+(configs/paper_sizes.py) at matched parameters (lm compare plan) train on the bundled corpus for the same tokens,
+`lm eval ppl` evaluates each, `lm eval mqar` probes recall, and `lm compare report` puts it all side by side, the MQAR
+table included.
 
 Layout under --out: data/ (the prepared corpus, reused by a rerun), base.yaml, plan/ (plan.md, configs), runs/ARCH
 (one `lm train` run each, with eval/), logs/ (each job's output), mqar.{md,json,csv}, summary.md and report/.
 
 The jobs run in worker processes, one thread each, two at a time on two cores, so both cores stay busy throughout.
-The slowest (Mesa) starts first, so both workers finish about together.
+The costliest (most training FLOPs per token, Mesa's CG first) start first, so both workers finish about together.
 """
 
 import csv
@@ -20,13 +21,9 @@ import yaml
 
 from lm.errors import UserError
 
-ARCHS = ("attention", "mamba2", "mlstm", "deltanet", "gated_deltanet", "mesa")
-# Peak lr per mixer, one run each, not swept: configs/demo.yaml's 3e-3 for attention and mLSTM, and a little more for
-# the state-space and delta-rule mixers, on the guess that they take a higher lr. A real comparison sweeps them
-# (lm compare plan --lrs).
-LRS = {"attention": 3e-3, "mamba2": 4e-3, "mlstm": 3e-3, "deltanet": 4e-3, "gated_deltanet": 4e-3, "mesa": 4e-3}
-# Slowest first (Mesa's 30 CG steps per token; MQAR is about as long as the average run).
-ORDER = ("mesa", "mqar", "gated_deltanet", "deltanet", "mamba2", "mlstm", "attention")
+# Each mixer trains at its class's `demo_lr` (a hybrid at its first mixer's), one run each, not swept:
+# configs/demo.yaml's 3e-3 for attention and mLSTM, and a little more for the others, on the guess that they take a
+# higher lr. A real comparison sweeps them (lm compare plan --lrs).
 VAL_POINTS = 8  # validations per run: the loss curves' points
 MQAR_COLUMNS = ("mixer", "params", "state floats", "steps", "accuracy", "final loss", "seconds")
 
@@ -59,15 +56,32 @@ def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: in
     return {"ppl": result["ppl"], "seconds": time.perf_counter() - start}
 
 
-def mqar_job(json_out: Path, steps: int | None, log: Path, threads: int) -> dict:
-    """The other job: `lm eval mqar`, a 2-layer model of each mixer on multi-query associative recall."""
+def demo_archs() -> list[str]:
+    """Every registered mixer, then the MesaNet paper's hybrids (configs/paper_sizes.py's PAPER_HYBRIDS)."""
+    from lm.mixers import MIXERS
+
+    try:
+        from configs.paper_sizes import PAPER_HYBRIDS
+    except ImportError:  # an installed lm without the source tree's configs/
+        PAPER_HYBRIDS = ()
+    return [*MIXERS, *PAPER_HYBRIDS]
+
+
+def demo_lr(arch: str) -> float:
+    from lm.compare.plan import parse_archs
+    from lm.mixers import MIXERS
+
+    return MIXERS[parse_archs([arch])[0].mixers[0]].demo_lr
+
+
+def mqar_job(mixers: list[str], json_out: Path, steps: int | None, log: Path, threads: int) -> dict:
+    """The other jobs: `lm eval mqar`, a 2-layer model of each mixer on multi-query associative recall."""
     start = time.perf_counter()
     worker_setup(log, threads)
     from eval.mqar import mqar_table
 
-    # The blocks as trained here, each with its defaults (not eval.mqar.OPTIONS: mLSTM stays xLSTM 7B's).
-    rows = mqar_table(mixers=list(ARCHS), steps=steps, mixer_options={name: {} for name in ARCHS},
-                      json_out=str(json_out))
+    # The blocks as trained here, each with its defaults (not their mqar_options: mLSTM stays xLSTM 7B's).
+    rows = mqar_table(mixers=mixers, steps=steps, mixer_options={name: {} for name in mixers}, json_out=str(json_out))
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
@@ -116,7 +130,7 @@ def base_config(data: str, vocab: int, seq_len: int, global_batch: int, val_wind
     return {"seed": 0, "model": {"vocab_size": vocab, "max_seq_len": seq_len, "logit_soft_cap": 30.0},
             "data": {"path": data, "seq_len": seq_len, "micro_batch": global_batch, "global_batch": global_batch,
                      "num_workers": 0, "val_windows": val_windows},
-            "optim": {"lr": LRS["attention"], "weight_decay": 0.1, "min_lr_ratio": 0.1},
+            "optim": {"lr": 3e-3, "weight_decay": 0.1, "min_lr_ratio": 0.1},
             "trainer": {"keep_last": 1, "progress_bar": False}, "strategy": {"accelerator": "cpu", "devices": 1}}
 
 
@@ -126,7 +140,7 @@ def mqar_cells(row: dict) -> list[str]:
 
 
 def write_mqar(out: Path, rows: list[dict]) -> Path:
-    """mqar.md (the table as `lm eval mqar` prints it) and mqar.csv (for the report); mqar.json is the job's."""
+    """mqar.md (the table as `lm eval mqar` prints it) and mqar.csv (for the report)."""
     from eval.mqar import MQARTask
 
     task = MQARTask(vocab=32, pairs=4)  # mqar_table's defaults
@@ -140,8 +154,9 @@ def write_mqar(out: Path, rows: list[dict]) -> Path:
     return out / "mqar.csv"
 
 
-def summary_table(report_csv: Path, mqar: list[dict], seq_len: int) -> str:
-    """One row per mixer: the report's numbers for its run and its MQAR accuracy."""
+def summary_table(report_csv: Path, mqar: list[dict], seq_len: int, archs: list[str]) -> str:
+    """One row per architecture (as the report names it: a hybrid's mixers joined by "+"): the report's numbers for
+    its run and, for a single mixer, its MQAR accuracy."""
     with open(report_csv) as f:
         runs = {row["arch"]: row for row in csv.DictReader(f)}
     accuracy = {row["mixer"]: row["accuracy"] for row in mqar}
@@ -152,7 +167,7 @@ def summary_table(report_csv: Path, mqar: list[dict], seq_len: int) -> str:
     header = ("arch", "lr", "params", "tokens", "val loss", "val ppl", f"NLL@{seq_len}", "tokens/s",
               "train time (s)", "MQAR accuracy")
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for arch in ARCHS:
+    for arch in archs:
         row = runs.get(arch, {})
         cells = (arch, num(row, "best lr", "g"), num(row, "params", ",.0f"), num(row, "tokens", ",.0f"),
                  num(row, "val loss", ".3f"), num(row, "val ppl", ".1f"), num(row, f"NLL@{seq_len}", ".3f"),
@@ -162,10 +177,12 @@ def summary_table(report_csv: Path, mqar: list[dict], seq_len: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: float = 6e5, seq_len: int = 128,
+def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: float = 4.5e5, seq_len: int = 128,
                  global_batch: int = 16, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
-                 steps: int | None = None, mqar_steps: int | None = None, eval_windows: int | None = None) -> dict:
-    """The six mixers at matched parameters on the bundled corpus and on MQAR, then the report (~13 min on 2 CPU cores).
+                 steps: int | None = None, mqar_steps: int | None = None, eval_windows: int | None = None,
+                 archs: list[str] | None = None) -> dict:
+    """Every mixer and the paper's hybrids at matched parameters on the bundled corpus, every mixer on MQAR, then the
+    report (docs/compare-demo.md has its time on 2 CPU cores).
 
     Args:
         out: Where everything goes: data/, plan/, runs/, logs/, mqar.md, summary.md, report/.
@@ -177,8 +194,10 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         data: An already prepared dataset (`lm prepare`) to use instead of the bundled corpus.
         workers: Jobs run at once, each in its own process with cpu_count / workers threads.
         steps: Optimizer steps of every run instead of --tokens (a few for a quick check).
-        mqar_steps: MQAR training steps of every mixer (default: eval.mqar.STEPS).
+        mqar_steps: MQAR training steps of every mixer (default: each mixer's `mqar_steps`).
         eval_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
+        archs: Architectures as `lm compare plan --archs` takes them (default: every mixer and the MesaNet paper's
+            hybrids); MQAR runs their mixers.
     """
     from lm.compare.plan import plan
     from lm.compare.report import report
@@ -199,8 +218,13 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     base = out_dir / "base.yaml"
     base.write_text(yaml.safe_dump(base_config(data, vocab, seq_len, global_batch, eval_windows), sort_keys=False))
 
-    planned = plan(archs=",".join(ARCHS), params=params, base=str(base), lrs={a: [LRS[a]] for a in ARCHS},
+    archs = demo_archs() if archs is None else list(archs)
+    lrs = {arch: demo_lr(arch) for arch in archs}
+    planned = plan(archs=archs, params=params, base=str(base), lrs={a: [lr] for a, lr in lrs.items()},
                    out=str(out_dir / "plan"))
+    labels = [row["arch"] for row in planned["archs"]]
+    patterns = [(row["layer_pattern"] or row["arch"]).split(",") for row in planned["archs"]]
+    mixers = list(dict.fromkeys(m for pattern in patterns for m in pattern))
     trained = steps * global_batch * seq_len
     with open(out_dir / "plan" / "plan.md", "a") as f:
         f.write(f"\nlm compare demo trains every architecture for the same {trained:,} tokens ({steps} steps of "
@@ -215,21 +239,32 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         log = logs / f"{row['arch']}.log"
         run_overrides = ["--run_dir", str(out_dir / "runs" / row["arch"]), *overrides]
         jobs[row["arch"]] = (train_and_evaluate, (row["configs"][0], run_overrides, log, threads, eval_windows), log)
-    jobs["mqar"] = (mqar_job, (out_dir / "mqar.json", mqar_steps, logs / "mqar.log", threads), logs / "mqar.log")
-    print(f"lm compare demo: {len(ARCHS)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "
+    # Costliest first: runs by training FLOPs per token (a proxy), with the MQAR jobs (each mixer's in one of two, to
+    # share them between the workers) after the costliest run.
+    by_cost = sorted(planned["archs"], key=lambda row: -row["train_flops_per_token"])
+    mqar_jobs = {}
+    for part in range(min(2, len(mixers))):
+        name, log = f"mqar-{part + 1}", logs / f"mqar-{part + 1}.log"
+        mqar_jobs[name] = (mqar_job, (mixers[part::2], out_dir / f"{name}.json", mqar_steps, log, threads), log)
+    order = [by_cost[0]["arch"], *mqar_jobs, *(row["arch"] for row in by_cost[1:])]
+    jobs.update(mqar_jobs)
+    print(f"lm compare demo: {len(labels)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "
           f"thread(s) each; logs in {logs}", file=sys.stderr)
-    results = run_jobs({name: jobs[name] for name in ORDER}, workers)
+    results = run_jobs({name: jobs[name] for name in order}, workers)
 
-    mqar = results["mqar"]["rows"]
-    report_dir = report([str(out_dir / "runs" / arch) for arch in ARCHS], out=str(out_dir / "report"),
+    mqar_rows = {row["mixer"]: row for name in mqar_jobs for row in results[name]["rows"]}
+    mqar = [mqar_rows[m] for m in mixers]
+    (out_dir / "mqar.json").write_text(json.dumps(mqar, indent=2))
+    report_dir = report([str(out_dir / "runs" / arch) for arch in labels], out=str(out_dir / "report"),
                         positions=[seq_len // 8, seq_len // 2, seq_len],
-                        title=f"lm compare demo: six mixers at {params / 1e6:g}M parameters, {trained:,} tokens each",
+                        title=f"lm compare demo: {len(labels)} architectures at {params / 1e6:g}M parameters, "
+                              f"{trained:,} tokens each",
                         tables={"MQAR recall (lm eval mqar)": str(write_mqar(out_dir, mqar))})
-    table = summary_table(report_dir / "report.csv", mqar, seq_len)
+    table = summary_table(report_dir / "report.csv", mqar, seq_len, ["+".join(pattern) for pattern in patterns])
     wall = time.perf_counter() - start
     (out_dir / "summary.md").write_text(table)
     print(f"\n{table}\nlm compare demo: {wall:.0f} s ({wall / 60:.1f} min) in all; report: "
           f"{report_dir / 'report.html'} and {report_dir / 'report.md'}")
     return {"wall_s": wall, "steps": steps, "tokens": trained, "table": table, "report": str(report_dir),
-            "mqar": mqar, "ppl": {arch: results[arch]["ppl"] for arch in ARCHS},
-            "params": {row["arch"]: row["params"] for row in planned["archs"]}, "lr": dict(LRS)}
+            "mqar": mqar, "ppl": {arch: results[arch]["ppl"] for arch in labels},
+            "params": {row["arch"]: row["params"] for row in planned["archs"]}, "lr": lrs}

@@ -61,7 +61,6 @@ from lm.model import LMConfig
 
 TOLERANCE = 0.02
 TOKENS_PER_PARAM = 20  # Chinchilla
-DEFAULT_ARCHS = "attention,mamba2,mlstm,deltanet,gated_deltanet,mesa,mesa+attention"
 LR_MULTIPLES = (0.5, 1.0, 2.0)
 MLP_RATIO_RANGE = (1.0, 6.0)  # SwiGLU hidden / d_model a matched model may have
 MLP_MULTIPLES = (64, 32, 16, 8)  # hidden widths tried, the most hardware-friendly first
@@ -79,7 +78,7 @@ SHAPE_LADDER = (
 
 @dataclass(frozen=True)
 class Arch:
-    label: str  # names files and runs: "mesa", "mesa_attention"
+    label: str  # names files and runs: a mixer's name, or a hybrid's (mixers joined by "_")
     mixers: tuple[str, ...]  # the layer pattern, cycled over the depth
 
     @property
@@ -140,9 +139,18 @@ def fit_mlp(cfg: LMConfig, metric, target: float, ratios: tuple[float, float] = 
     return best if best_error <= TOLERANCE else None
 
 
+def default_archs() -> list[str]:
+    """Every registered mixer, then the named hybrids (configs/paper_sizes.py)."""
+    return [*MIXERS, *named_hybrids()]
+
+
 def heads_for(arch: Arch, d_model: int, head_dim: int) -> int:
+    """d_model / head_dim heads, times the mixer's `paper_heads` for a single-mixer arch (Gated DeltaNet's and GLA's
+    half); a hybrid's layers share the attention model's heads."""
     heads = d_model // head_dim
-    return max(1, heads // 2) if set(arch.mixers) == {"gated_deltanet"} else heads
+    if len(set(arch.mixers)) == 1:
+        return max(1, int(heads * MIXERS[arch.mixers[0]].paper_heads))
+    return heads
 
 
 def match_shape(arch: Arch, reference: LMConfig, metric, target: float) -> tuple[LMConfig, str]:
@@ -278,7 +286,7 @@ def run_config(raw: dict, run, row: dict, lr: float, seed: int, global_batch: in
             "strategy": raw.get("strategy") or {}}
 
 
-def plan(archs: str | list[str] = DEFAULT_ARCHS, match: Literal["params", "flops"] = "params",
+def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"] = "params",
          budget: float | None = None, params: float | None = None, seq_len: int | None = None,
          vocab_size: int | None = None, base: str | None = None, global_batch: int | None = None,
          lrs: list[float] | dict[str, list[float]] | None = None, seeds: list[int] | None = None,
@@ -287,7 +295,8 @@ def plan(archs: str | list[str] = DEFAULT_ARCHS, match: Literal["params", "flops
     """Shapes matched in parameters or training FLOPs, the tokens a budget buys, and configs to train them.
 
     Args:
-        archs: Comma-separated mixers, "+"-joined hybrid patterns (mesa+attention) or hybrid names (mesa_attention).
+        archs: Comma-separated mixers, "+"-joined hybrid patterns (mesa+attention) or hybrid names (mesa_attention)
+            (default: every mixer and named hybrid).
         match: "params": equal parameter counts; "flops": equal training FLOPs per token (within 2%).
         budget: Total training FLOPs of each run; without --params it also sets the size (20 tokens/parameter).
         params: Target parameter count, tied embedding included; without --budget: 20 tokens/parameter for all.
@@ -303,7 +312,7 @@ def plan(archs: str | list[str] = DEFAULT_ARCHS, match: Literal["params", "flops
         slurm: Further `lm slurm submit` options, e.g. ["--time=24:00:00", "--dry_run"].
         dry_run: Print the plan only; write and submit nothing.
     """
-    arch_list = parse_archs(archs)
+    arch_list = parse_archs(default_archs() if archs is None else archs)
     if match not in ("params", "flops"):
         raise UserError(f"--match must be params or flops, not {match!r}")
     if budget is None and params is None:

@@ -1,8 +1,14 @@
-"""Causal softmax attention with rotary position embeddings, grouped-query heads and a KV cache."""
+"""Causal softmax attention with rotary position embeddings, grouped-query heads and a KV cache; and its sliding-window
+form (SWA), whose cache holds the last window - 1 tokens only."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lm.mixers.layers import decay_group, residual_output
+from lm.mixers.protocol import Mixer, MixerOptionError, register
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
@@ -19,37 +25,73 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class Attention(nn.Module):
+@register("attention")
+class Attention(Mixer):
     """Multi-head causal attention (RoPE on q and k, optional grouped-query heads).
 
-    The state is the KV cache ``(k, v)``, each [B, n_kv_heads, T_seen, head_dim]; a call with a state attends to
-    the cached tokens and to its own tokens causally, at positions that continue after the cache.
+    The state is ``(k, v, seen)``: the KV cache, each [B, n_kv_heads, T_cached, head_dim], and the number of tokens
+    seen so far; a call with a state attends to the cached tokens and to its own tokens causally, at positions that
+    continue after them.
 
     Parameters: d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) (q, k, v, out projections, no biases).
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0,
-                 n_kv_heads: int | None = None, rope_theta: float = 10000.0):
-        super().__init__()
-        n_kv_heads = n_kv_heads or n_heads
+    @dataclass
+    class Options:
+        n_kv_heads: int | None = None  # grouped-query heads; None: n_heads
+        rope_theta: float = 10000.0
+
+    window: int | None = None  # keys each query sees, itself included (None: all before it)
+    demo_lr = 3e-3
+    mqar_steps = 1500  # an induction circuit over its two layers forms after ~500 steps
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        n_kv_heads = self.options.n_kv_heads or n_heads
         if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+            raise MixerOptionError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
         if head_dim % 2:
-            raise ValueError(f"head_dim ({head_dim}) must be even for rotary embeddings")
-        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta = n_heads, n_kv_heads, head_dim, rope_theta
-        self.layer_idx = layer_idx
+            raise MixerOptionError(f"head_dim ({head_dim}) must be even for rotary embeddings")
+        self.n_kv_heads, self.rope_theta = n_kv_heads, self.options.rope_theta
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.out_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.out_proj = residual_output(nn.Linear(n_heads * head_dim, d_model, bias=False))
+        decay_group("qk", self.q_proj.weight, self.k_proj.weight)
+        decay_group("vo", self.v_proj.weight, self.out_proj.weight)
 
-    @staticmethod
-    def param_count(d_model, n_heads, head_dim, n_kv_heads=None, **_) -> int:
-        return d_model * head_dim * (2 * n_heads + 2 * (n_kv_heads or n_heads))
+    def qk_ov_weights(self) -> tuple[nn.Parameter, ...]:
+        """(W_Q, W_K, W_V, W_O) as nn.Linear weights, for lm.rank_monitor."""
+        return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.out_proj.weight
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | None = None):
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
+        o = cls.check_options(options)
+        return d_model * head_dim * (2 * n_heads + 2 * (o.n_kv_heads or n_heads))
+
+    @classmethod
+    def mean_context(cls, seq_len: int, **options) -> float:
+        """Keys a query sees on average over a sequence of seq_len: (T + 1) / 2 causally, what a causal kernel that
+        skips masked blocks computes."""
+        return (seq_len + 1) / 2
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """q k^T and the weighted sum of v, 2 x 2 x head_dim per key seen, for every query head; 3x training."""
+        return (3 if training else 1) * 2 * 2 * n_heads * head_dim * cls.mean_context(seq_len, **options)
+
+    def allowed(self, T: int, seen: int, cached: int, device) -> torch.Tensor | None:
+        """[T, cached + T] bool: which keys (the cached ones, then the T new ones) each new query may see."""
+        if self.window is None and seen == 0:
+            return None  # plain causal: SDPA's is_causal
+        query = torch.arange(seen, seen + T, device=device)[:, None]
+        key = torch.arange(seen - cached, seen + T, device=device)[None, :]
+        mask = key <= query
+        return mask if self.window is None else mask & (key > query - self.window)
+
+    def forward(self, x: torch.Tensor, state: tuple | None = None):
         B, T, _ = x.shape
-        seen = 0 if state is None else state[0].shape[2]
+        seen = 0 if state is None else state[2]
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -59,12 +101,11 @@ class Attention(nn.Module):
         if state is not None:
             k = torch.cat([state[0], k], dim=2)
             v = torch.cat([state[1], v], dim=2)
+        mask = self.allowed(T, seen, k.shape[2] - T, x.device)
         gqa = self.n_kv_heads != self.n_heads
-        if seen == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            # is_causal aligns the mask to the top left; with a cache the queries are the last T positions.
-            mask = torch.ones(T, seen + T, dtype=torch.bool, device=x.device).tril(diagonal=seen)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return self.out_proj(y), (k, v)
+        if self.window is not None:  # the next token sees the last window - 1 of these
+            drop = max(0, k.shape[2] - (self.window - 1))
+            k, v = k[:, :, drop:], v[:, :, drop:]
+        return self.out_proj(y), (k, v, seen + T)

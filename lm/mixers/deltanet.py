@@ -1,15 +1,21 @@
 """DeltaNet and Gated DeltaNet (Yang et al., 2024): a fast-weight memory written with the delta rule."""
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay
+from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay, residual_output
+from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import delta_rule, delta_rule_recurrent
-from lm.ops.common import compute_dtype
+from lm.ops.common import compute_dtype, effective_chunk_size
+from lm.ops.flops import delta_rule_op_flops, delta_rule_op_train_flops, padding_factor
 
 
-class DeltaNet(nn.Module):
+@register("deltanet")
+class DeltaNet(Mixer):
     """DeltaNet mixer (flash-linear-attention's layer). q, k, v projections, each through a short causal conv +
     SiLU; q and k L2-normalised per head; beta = sigmoid(W_beta x) per head; the delta rule
     S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(K); a per-head RMSNorm times
@@ -24,23 +30,31 @@ class DeltaNet(nn.Module):
       + HV * d_model                          output projection
     """
 
-    gated = False
+    @dataclass
+    class Options:
+        expand_v: float = 1.0
+        conv_size: int = 4
+        chunk_size: int = 64
+        backend: str = "auto"
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand_v: float = 1.0,
-                 conv_size: int = 4, chunk_size: int = 64, backend: str = "auto"):
-        super().__init__()
-        self.n_heads, self.key_dim, self.value_dim = n_heads, head_dim, int(round(expand_v * head_dim))
-        self.chunk_size, self.backend = chunk_size, backend
+    gated = False
+    mqar_steps = 300
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        self.key_dim, self.value_dim = head_dim, int(round(o.expand_v * head_dim))
+        self.chunk_size, self.backend = o.chunk_size, o.backend
         hk, hv = n_heads * self.key_dim, n_heads * self.value_dim
         self.q_proj = nn.Linear(d_model, hk, bias=False)
         self.k_proj = nn.Linear(d_model, hk, bias=False)
         self.v_proj = nn.Linear(d_model, hv, bias=False)
         self.g_proj = nn.Linear(d_model, hv, bias=False)
         self.b_proj = nn.Linear(d_model, n_heads, bias=False)
-        self.q_conv, self.k_conv = ShortConv(hk, conv_size), ShortConv(hk, conv_size)
-        self.v_conv = ShortConv(hv, conv_size)
+        self.q_conv, self.k_conv = ShortConv(hk, o.conv_size), ShortConv(hk, o.conv_size)
+        self.v_conv = ShortConv(hv, o.conv_size)
         self.norm = GatedRMSNorm(self.value_dim)
-        self.out_proj = nn.Linear(hv, d_model, bias=False)
+        self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.b_proj.weight)
         if self.gated:  # Gated DeltaNet's decay: alpha = exp(-exp(A_log) * softplus(a + dt_bias))
             self.a_proj = nn.Linear(d_model, n_heads, bias=False)
@@ -81,13 +95,36 @@ class DeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, -1)), new_state
 
     @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, expand_v=1.0, conv_size=4, **_) -> int:
-        v = int(round(expand_v * head_dim))
+    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
+        o = cls.check_options(options)
+        v = int(round(o.expand_v * head_dim))
         hk, hv = n_heads * head_dim, n_heads * v
         gates = (d_model * n_heads + 2 * n_heads) if cls.gated else 0
-        return d_model * (2 * hk + 2 * hv + n_heads) + (2 * hk + hv) * conv_size + v + hv * d_model + gates
+        return d_model * (2 * hk + 2 * hv + n_heads) + (2 * hk + hv) * o.conv_size + v + hv * d_model + gates
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """The delta rule with K = head_dim, V = expand_v * head_dim (lm.ops.flops)."""
+        o = cls.check_options(options)
+        chunk = effective_chunk_size(o.chunk_size, seq_len)
+        v = int(round(o.expand_v * head_dim))
+        if training:
+            per_head = delta_rule_op_train_flops(chunk, head_dim, v, math.ceil(seq_len / chunk))
+        else:
+            per_head = delta_rule_op_flops(chunk, head_dim, v)
+        return n_heads * padding_factor(seq_len, chunk) * per_head
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
+        K, V = self.key_dim, self.value_dim
+        q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
+        log_alpha = -torch.exp(self.A_log) * F.softplus(randn() + self.dt_bias) if self.gated else None
+        args = [q, k, randn(V), torch.sigmoid(randn()), log_alpha, K**-0.5]
+        return OpCall("delta_rule", delta_rule, delta_rule_recurrent, args, (batch, T, self.n_heads, V))
 
 
+@register("gated_deltanet")
 class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet: DeltaNet with a per-head decay, S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
     alpha_t = exp(-exp(A_log) * softplus(W_a x_t + dt_bias)); value size expand_v * head_dim (the paper's 2).
@@ -95,12 +132,9 @@ class GatedDeltaNet(DeltaNet):
     Parameters: DeltaNet's, plus d_model * n_heads (W_a) + 2 n_heads (A_log, dt_bias).
     """
 
+    @dataclass
+    class Options(DeltaNet.Options):
+        expand_v: float = 2.0
+
     gated = True
-
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand_v: float = 2.0,
-                 conv_size: int = 4, chunk_size: int = 64, backend: str = "auto"):
-        super().__init__(d_model, n_heads, head_dim, layer_idx, expand_v, conv_size, chunk_size, backend)
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, expand_v=2.0, conv_size=4, **_) -> int:
-        return super().param_count(d_model, n_heads, head_dim, expand_v, conv_size)
+    paper_heads = 0.5  # keys of d/2 and values of d, as its paper: half the heads of 128, expand_v 2

@@ -55,3 +55,17 @@ def no_weight_decay(*params: nn.Parameter) -> None:
     """Mark parameters that AdamW must not decay (decay rates, skips, norms' gains)."""
     for p in params:
         p.no_weight_decay = True
+
+
+def residual_output(linear: nn.Linear) -> nn.Linear:
+    """Mark a projection that writes into the residual stream: the model initialises it with std / sqrt(2 n_layers)
+    (GPT-2), whatever the mixer names it."""
+    linear.weight.residual_output = True
+    return linear
+
+
+def decay_group(group: str, *params: nn.Parameter) -> None:
+    """Put parameters in their own AdamW group (optim.qk_weight_decay, optim.vo_weight_decay: attention's query/key
+    and value/output matrices, whose products weight decay drives to low rank)."""
+    for p in params:
+        p.decay_group = group

@@ -1,15 +1,20 @@
 """Mamba2 (Dao & Gu, 2024): a scalar-decay state space model, computed as gated linear attention (SSD)."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay
+from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay, residual_output
+from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import linear_attention, linear_attention_recurrent
-from lm.ops.common import compute_dtype
+from lm.ops.common import compute_dtype, effective_chunk_size
+from lm.ops.flops import linear_attention_op_flops, padding_factor
 
 
-class Mamba2(nn.Module):
+@register("mamba2")
+class Mamba2(Mixer):
     """Mamba2 mixer. One input projection gives (z, x, B, C, dt); x, B, C pass a short causal conv + SiLU;
     per head h: dt = softplus(dt_raw + dt_bias), A = -exp(A_log), and the SSD recurrence
     S_t = exp(dt A) S_{t-1} + dt B_t x_t^T, y_t = S_t^T C_t + D x_t (linear_attention with q=C, k=B, v=x,
@@ -26,23 +31,33 @@ class Mamba2(nn.Module):
       + I * d_model                          output projection
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand: float = 2.0,
-                 n_groups: int = 1, conv_size: int = 4, chunk_size: int = 64, backend: str = "auto"):
-        super().__init__()
-        inner = int(round(expand * d_model))
-        if inner % n_heads or n_heads % n_groups:
-            raise ValueError(f"expand * d_model ({inner}) must divide into n_heads ({n_heads}) and n_heads "
-                             f"into n_groups ({n_groups})")
-        self.n_heads, self.state_size, self.n_groups, self.inner = n_heads, head_dim, n_groups, inner
-        self.chunk_size, self.backend = chunk_size, backend
-        bc = 2 * n_groups * head_dim
+    @dataclass
+    class Options:
+        expand: float = 2.0
+        n_groups: int = 1
+        conv_size: int = 4
+        chunk_size: int = 64
+        backend: str = "auto"
+
+    mqar_steps = 1000  # binds a key to its value slowly: 94% after 600 steps, 99.8% after 1000 (docs/mqar.md)
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        inner = int(round(o.expand * d_model))
+        if inner % n_heads or n_heads % o.n_groups:
+            raise MixerOptionError(f"expand * d_model ({inner}) must divide into n_heads ({n_heads}) and n_heads "
+                                   f"into n_groups ({o.n_groups})")
+        self.state_size, self.n_groups, self.inner = head_dim, o.n_groups, inner
+        self.chunk_size, self.backend = o.chunk_size, o.backend
+        bc = 2 * o.n_groups * head_dim
         self.in_proj = nn.Linear(d_model, 2 * inner + bc + n_heads, bias=False)
-        self.conv = ShortConv(inner + bc, conv_size)
+        self.conv = ShortConv(inner + bc, o.conv_size)
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
         self.D = nn.Parameter(torch.empty(n_heads))
         self.norm = GatedRMSNorm(inner, gate_first=True)
-        self.out_proj = nn.Linear(inner, d_model, bias=False)
+        self.out_proj = residual_output(nn.Linear(inner, d_model, bias=False))
         no_weight_decay(self.A_log, self.dt_bias, self.D)
         self.reset_mixer_parameters()
 
@@ -72,9 +87,28 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.out_proj(y), {"conv": conv_state, "ssm": ssm_state}
 
-    @staticmethod
-    def param_count(d_model, n_heads, head_dim, expand=2.0, n_groups=1, conv_size=4, **_) -> int:
-        inner = int(round(expand * d_model))
-        bc = 2 * n_groups * head_dim
-        return d_model * (2 * inner + bc + n_heads) + (inner + bc) * conv_size + 3 * n_heads + inner + inner * d_model
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
+        o = cls.check_options(options)
+        inner = int(round(o.expand * d_model))
+        bc = 2 * o.n_groups * head_dim
+        return (d_model * (2 * inner + bc + n_heads) + (inner + bc) * o.conv_size + 3 * n_heads + inner
+                + inner * d_model)
 
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """linear_attention with K = N and V = P per head; its backward is 2x its forward."""
+        o = cls.check_options(options)
+        chunk = effective_chunk_size(o.chunk_size, seq_len)
+        value = int(round(o.expand * d_model)) // n_heads
+        per_head = padding_factor(seq_len, chunk) * linear_attention_op_flops(chunk, head_dim, value)
+        return (3 if training else 1) * n_heads * per_head
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
+        K, V = self.state_size, self.inner // self.n_heads
+        dt = F.softplus(randn() + self.dt_bias)  # about 1e-3..0.3
+        args = [randn(K), randn(K), randn(V), -torch.exp(self.A_log) * dt, dt, 1.0]
+        return OpCall("linear_attention", linear_attention, linear_attention_recurrent, args,
+                      (batch, T, self.n_heads, V))

@@ -2,16 +2,21 @@
 in-context ridge regression, o_t = G_t (H_t + Lambda)^{-1} q_t, solved by conjugate gradient."""
 
 import math
+import typing
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import GatedRMSNorm, ShortConv, no_weight_decay
+from lm.mixers.layers import GatedRMSNorm, ShortConv, no_weight_decay, residual_output
+from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import mesa, mesa_recurrent
-from lm.ops.common import compute_dtype
+from lm.ops.common import compute_dtype, effective_chunk_size
+from lm.ops.flops import mesa_op_flops, mesa_op_train_flops, padding_factor
 
-GAMMA_INITS = ("narrow", "zero", "spread")
+GammaInit = typing.Literal["narrow", "zero", "spread"]
+GAMMA_INITS = typing.get_args(GammaInit)
 
 
 def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
@@ -25,7 +30,8 @@ def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
     return torch.log(memory - 1.0)  # logit(1 - 1/m)
 
 
-class Mesa(nn.Module):
+@register("mesa")
+class Mesa(Mixer):
     """Mesa mixer. q, k, v projections; a short causal conv + SiLU on q and k (and on v with conv_v); q and k
     L2-normalised per head; beta = sigmoid(W_beta x + b) and gamma = sigmoid(W_gamma x + b) per head, with the
     gamma cap gamma * (1 - (1 - gamma_cap) * beta^2) against runs of repeated tokens; Lambda = lam_floor +
@@ -51,18 +57,36 @@ class Mesa(nn.Module):
       + HV * d_model                     output projection
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, expand_v: float = 1.0,
-                 conv_size: int = 4, conv_v: bool = False, cg_steps: int = 30, cg_steps_eval: int | None = None,
-                 cg_tol: float | None = None, lam_floor: float = 0.25, gamma_cap: float | None = 0.9975,
-                 output_gate: bool = False, gamma_init: str = "spread", chunk_size: int = 64,
-                 backend: str = "auto"):
-        super().__init__()
-        if gamma_init not in GAMMA_INITS:
-            raise ValueError(f"mesa: gamma_init must be one of {GAMMA_INITS}, got {gamma_init!r}")
-        self.gamma_init = gamma_init
-        self.n_heads, self.key_dim, self.value_dim = n_heads, head_dim, int(round(expand_v * head_dim))
-        self.cg_steps, self.cg_steps_eval, self.cg_tol = cg_steps, cg_steps_eval, cg_tol
-        self.lam_floor, self.gamma_cap, self.chunk_size, self.backend = lam_floor, gamma_cap, chunk_size, backend
+    @dataclass
+    class Options:
+        expand_v: float = 1.0
+        conv_size: int = 4
+        conv_v: bool = False
+        cg_steps: int = 30
+        cg_steps_eval: int | None = None
+        cg_tol: float | None = None
+        lam_floor: float = 0.25
+        gamma_cap: float | None = 0.9975
+        output_gate: bool = False
+        gamma_init: GammaInit = "spread"
+        chunk_size: int = 64
+        backend: str = "auto"
+
+    mqar_steps = 300
+    # Rows of `lm bench mixer` besides the default (30 CG steps): fewer steps, and 30 that stop at a tolerance.
+    bench_variants = {"cg 0": {"cg_steps": 0}, "cg 5": {"cg_steps": 5}, "cg 10": {"cg_steps": 10},
+                      "tol 1e-4": {"cg_tol": 1e-4}}
+    bench_reference = "gated_deltanet"  # the fastest exact-memory rule, the cost Mesa's solve adds is against it
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        self.gamma_init = o.gamma_init
+        self.key_dim, self.value_dim = head_dim, int(round(o.expand_v * head_dim))
+        self.cg_steps, self.cg_steps_eval, self.cg_tol = o.cg_steps, o.cg_steps_eval, o.cg_tol
+        self.lam_floor, self.gamma_cap = o.lam_floor, o.gamma_cap
+        self.chunk_size, self.backend = o.chunk_size, o.backend
+        conv_size, conv_v, output_gate = o.conv_size, o.conv_v, o.output_gate
         hk, hv = n_heads * self.key_dim, n_heads * self.value_dim
         self.q_proj = nn.Linear(d_model, hk, bias=False)
         self.k_proj = nn.Linear(d_model, hk, bias=False)
@@ -74,7 +98,7 @@ class Mesa(nn.Module):
         self.lam_raw = nn.Parameter(torch.empty(n_heads, self.key_dim))
         self.norm = GatedRMSNorm(self.value_dim) if output_gate else nn.RMSNorm(self.value_dim, eps=1e-6)
         self.g_proj = nn.Linear(d_model, hv, bias=False) if output_gate else None
-        self.out_proj = nn.Linear(hv, d_model, bias=False)
+        self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
         self._metrics: dict[str, torch.Tensor] = {}
         self.reset_mixer_parameters()
@@ -130,6 +154,12 @@ class Mesa(nn.Module):
         new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state
 
+    @classmethod
+    def gate_bias_drift(cls, state_dict: dict, n_heads: int, **options) -> float:
+        """The largest change of a gamma gate bias in `state_dict` from its init (for `lm bench mesa-ablation`)."""
+        init = gamma_bias(cls.check_options(options).gamma_init, n_heads)
+        return max((w - init).abs().max().item() for k, w in state_dict.items() if k.endswith("gamma_proj.bias"))
+
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last call's statistics as 0-dim tensors (nothing is synced to the host here): the CG solve
         (cg_iterations, cg_residual and cg_residual_max, the true relative residual), the adjoint solve's after a
@@ -137,10 +167,37 @@ class Mesa(nn.Module):
         return {key if key.startswith(("lambda", "gamma", "beta")) else "cg_" + key: value
                 for key, value in self._metrics.items()}
 
-    @staticmethod
-    def param_count(d_model, n_heads, head_dim, expand_v=1.0, conv_size=4, conv_v=False, output_gate=False,
-                    **_) -> int:
-        v = int(round(expand_v * head_dim))
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
+        o = cls.check_options(options)
+        v = int(round(o.expand_v * head_dim))
         hk, hv = n_heads * head_dim, n_heads * v
-        return (d_model * (2 * hk + hv) + 2 * (d_model * n_heads + n_heads) + 2 * hk * conv_size
-                + (hv * conv_size if conv_v else 0) + hk + v + (d_model * hv if output_gate else 0) + hv * d_model)
+        return (d_model * (2 * hk + hv) + 2 * (d_model * n_heads + n_heads) + 2 * hk * o.conv_size
+                + (hv * o.conv_size if o.conv_v else 0) + hk + v + (d_model * hv if o.output_gate else 0)
+                + hv * d_model)
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """The Mesa op at the training CG steps (lm.ops.flops; with cg_tol, cg_steps is the most)."""
+        o = cls.check_options(options)
+        chunk = effective_chunk_size(o.chunk_size, seq_len)
+        v = int(round(o.expand_v * head_dim))
+        per_head = padding_factor(seq_len, chunk) * (mesa_op_train_flops if training else mesa_op_flops)(
+            chunk, head_dim, v, o.cg_steps)
+        if o.cg_steps == 0:
+            per_head += 2 * head_dim * head_dim  # H_T is still carried: one product, no backward (no loss reads it)
+        return n_heads * per_head
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
+        K, V = self.key_dim, self.value_dim
+        q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
+        beta = torch.sigmoid(randn() + self.beta_proj.bias)  # bias 0
+        log_gamma = F.logsigmoid(randn() + self.gamma_proj.bias)  # the gate biases of its gamma_init
+        if self.gamma_cap is not None:
+            log_gamma = log_gamma + torch.log1p(-(1 - self.gamma_cap) * beta**2)
+        args = [q, k, randn(V), log_gamma, beta, self.lam().clone()]  # lam [H, K], 1 at init
+        # return_info: the true residual costs one more matvec per solve; the mixer always asks for it, as here.
+        return OpCall("mesa", mesa, mesa_recurrent, args, (batch, T, self.n_heads, V),
+                      {"cg_steps": self.cg_steps, "cg_tol": self.cg_tol, "return_info": True})

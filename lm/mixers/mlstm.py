@@ -1,19 +1,24 @@
 """mLSTM as in xLSTM 7B (Beck et al., 2025): a matrix memory with exponential input and sigmoid forget gates."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import ShortConv, no_weight_decay
+from lm.mixers.layers import ShortConv, no_weight_decay, residual_output
+from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mlstm, mlstm_recurrent
-from lm.ops.common import compute_dtype
+from lm.ops.common import compute_dtype, effective_chunk_size
+from lm.ops.flops import mlstm_op_flops, padding_factor
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else cap * torch.tanh(x / cap)
 
 
-class MLSTM(nn.Module):
+@register("mlstm")
+class MLSTM(Mixer):
     """xLSTM 7B mLSTM mixer. q, k (total width qk_dim_factor * d_model) and v (v_dim_factor * d_model) split
     into n_heads; input and forget gate pre-activations per head, soft-capped (gate_soft_cap); the mLSTM cell
     (lm.ops.mlstm); a per-head RMSNorm; an output gate sigmoid(W_o x); the output projection.
@@ -35,16 +40,31 @@ class MLSTM(nn.Module):
     State: {"cell": the mLSTM's (C, n, m), "conv": the conv's last W - 1 inputs (if any)}.
     """
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0,
-                 qk_dim_factor: float = 0.5, v_dim_factor: float = 1.0, gate_soft_cap: float | None = 15.0,
-                 eps: float = 1e-6, conv_size: int = 0, chunk_size: int = 64, backend: str = "auto"):
-        super().__init__()
-        qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
+    @dataclass
+    class Options:
+        qk_dim_factor: float = 0.5
+        v_dim_factor: float = 1.0
+        gate_soft_cap: float | None = 15.0
+        eps: float = 1e-6
+        conv_size: int = 0
+        chunk_size: int = 64
+        backend: str = "auto"
+
+    demo_lr = 3e-3
+    mqar_steps = 500
+    # The short convolution of the first xLSTM paper's block: xLSTM 7B's block (the default, no convolution) stays
+    # near 35% on MQAR, with it 96-99% (docs/mqar.md).
+    mqar_options = {"conv_size": 4}
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        qk, v = int(round(o.qk_dim_factor * d_model)), int(round(o.v_dim_factor * d_model))
         if qk % n_heads or v % n_heads:
-            raise ValueError(f"q/k width {qk} and v width {v} must be multiples of n_heads {n_heads}")
-        self.n_heads, self.qk_head, self.v_head = n_heads, qk // n_heads, v // n_heads
-        self.gate_soft_cap, self.eps, self.chunk_size, self.backend = gate_soft_cap, eps, chunk_size, backend
-        self.conv = ShortConv(d_model, conv_size) if conv_size > 0 else None
+            raise MixerOptionError(f"q/k width {qk} and v width {v} must be multiples of n_heads {n_heads}")
+        self.qk_head, self.v_head = qk // n_heads, v // n_heads
+        self.gate_soft_cap, self.eps, self.chunk_size, self.backend = o.gate_soft_cap, o.eps, o.chunk_size, o.backend
+        self.conv = ShortConv(d_model, o.conv_size) if o.conv_size > 0 else None
         self.q_proj = nn.Linear(d_model, qk, bias=False)
         self.k_proj = nn.Linear(d_model, qk, bias=False)
         self.v_proj = nn.Linear(d_model, v, bias=False)
@@ -52,7 +72,7 @@ class MLSTM(nn.Module):
         self.fgate = nn.Linear(d_model, n_heads)
         self.ogate = nn.Linear(d_model, v, bias=False)
         self.norm_weight = nn.Parameter(torch.ones(v))
-        self.out_proj = nn.Linear(v, d_model, bias=False)
+        self.out_proj = residual_output(nn.Linear(v, d_model, bias=False))
         no_weight_decay(self.igate.weight, self.fgate.weight)
         self.reset_mixer_parameters()
 
@@ -82,8 +102,27 @@ class MLSTM(nn.Module):
         h = F.rms_norm(h, (self.v_head,), eps=1e-6).reshape(B, T, -1) * self.norm_weight
         return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
 
-    @staticmethod
-    def param_count(d_model, n_heads, head_dim=0, qk_dim_factor=0.5, v_dim_factor=1.0, conv_size=0, **_) -> int:
-        qk, v = int(round(qk_dim_factor * d_model)), int(round(v_dim_factor * d_model))
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim=0, **options) -> int:
+        o = cls.check_options(options)
+        qk, v = int(round(o.qk_dim_factor * d_model)), int(round(o.v_dim_factor * d_model))
         return (d_model * (2 * qk + v) + 2 * (d_model * n_heads + n_heads) + d_model * v + v + v * d_model
-                + d_model * conv_size)
+                + d_model * o.conv_size)
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """The mLSTM cell with K = qk_dim_factor * d_model / n_heads, V = v_dim_factor * d_model / n_heads."""
+        o = cls.check_options(options)
+        chunk = effective_chunk_size(o.chunk_size, seq_len)
+        k = int(round(o.qk_dim_factor * d_model)) // n_heads
+        v = int(round(o.v_dim_factor * d_model)) // n_heads
+        return (3 if training else 1) * n_heads * padding_factor(seq_len, chunk) * mlstm_op_flops(chunk, k, v)
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
+        K, V = self.qk_head, self.v_head
+        i_pre = soft_cap(torch.empty(batch, T, self.n_heads).uniform_(-10, 0), self.gate_soft_cap)
+        f_pre = soft_cap(self.fgate.bias + randn(), self.gate_soft_cap)  # bias 3..6 across heads: forget gates open
+        return OpCall("mlstm", mlstm, mlstm_recurrent, [randn(K), randn(K), randn(V), i_pre, f_pre],
+                      (batch, T, self.n_heads, V))

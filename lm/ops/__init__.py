@@ -4,9 +4,10 @@ returns (out [B, T, H, V], final_state). State and decay arithmetic runs in floa
 with autocast off inside (lm.ops.common.autocast_off)."""
 
 from lm.ops.delta_rule import delta_rule, delta_rule_recurrent
+from lm.ops.diagonal_scan import diagonal_scan, diagonal_scan_recurrent
 from lm.ops.linear_attention import linear_attention, linear_attention_recurrent
 from lm.ops.mesa import mesa, mesa_recurrent
 from lm.ops.mlstm import mlstm, mlstm_recurrent
 
-__all__ = ["delta_rule", "delta_rule_recurrent", "linear_attention", "linear_attention_recurrent", "mesa",
-           "mesa_recurrent", "mlstm", "mlstm_recurrent"]
+__all__ = ["delta_rule", "delta_rule_recurrent", "diagonal_scan", "diagonal_scan_recurrent", "linear_attention",
+           "linear_attention_recurrent", "mesa", "mesa_recurrent", "mlstm", "mlstm_recurrent"]

@@ -87,17 +87,20 @@ def causal_decay(b: torch.Tensor) -> torch.Tensor:
     return diff.masked_fill(~causal, float("-inf")).exp()
 
 
-def check_shapes(q, k, v, initial_state, **gates) -> None:
+def check_shapes(q, k, v, initial_state, per_key: tuple[str, ...] = (), **gates) -> None:
     """Fail early with the ops' contract shapes (q, k [B, T, H, K], v [B, T, H, V], gates [B, T, H] or None,
-    initial_state [B, H, K, V] or None) rather than deep inside an einsum."""
+    initial_state [B, H, K, V] or None) rather than deep inside an einsum. The gates named in `per_key` may also be
+    [B, T, H, K] (a value per key dimension, as GLA's decay)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"expected q, k [B, T, H, K] and v [B, T, H, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     B, T, H, K = q.shape
     for name, gate in gates.items():
-        if gate is not None and gate.shape != (B, T, H):
-            raise ValueError(f"expected {name} [B, T, H] = {(B, T, H)}, got {tuple(gate.shape)}")
+        if gate is None or gate.shape == (B, T, H) or (name in per_key and gate.shape == (B, T, H, K)):
+            continue
+        expected = f"[B, T, H] = {(B, T, H)}" + (f" or [B, T, H, K] = {(B, T, H, K)}" if name in per_key else "")
+        raise ValueError(f"expected {name} {expected}, got {tuple(gate.shape)}")
     V = v.shape[-1]
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"expected initial_state [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")

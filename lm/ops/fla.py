@@ -3,10 +3,11 @@
 fla is imported lazily: it needs CUDA and Triton, and the pure-PyTorch ops must work without it. The glue adapts our
 conventions to fla's (checked against fla-core 0.6.0's source):
 - layout: fla also takes [B, T, H, *] (`head_first` defaults to False from fla 0.2 on and is rejected by 0.6);
-- gates: `g` is the per-step log-decay, which fla cumsums itself;
+- gates: `g` is the per-step log-decay, which fla cumsums itself ([B, T, H] for simple_gla, [B, T, H, K] for gla,
+  [B, T, D] for hgrn);
 - scale: fla's default is 1/sqrt(K), so ours is always passed;
-- beta: simple_gla has none, so it is folded into the keys;
-- the final state [B, H, K, V] is only returned with `output_final_state=True`.
+- beta: simple_gla and gla have none, so it is folded into the keys;
+- the final state ([B, H, K, V], or [B, D] for hgrn) is only returned with `output_final_state=True`.
 """
 
 import functools
@@ -92,14 +93,19 @@ def fla_linear_attention(
     scale: float,
     initial_state: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`linear_attention` through fla.ops.simple_gla.chunk_simple_gla (head-wise scalar decay `g` = log_gamma)."""
-    from fla.ops.simple_gla import chunk_simple_gla
+    """`linear_attention` through fla.ops.simple_gla.chunk_simple_gla (a decay per head: `g` = log_gamma [B, T, H]),
+    or fla.ops.gla.chunk_gla for a decay per key dimension (log_gamma [B, T, H, K]; checked against fla's source:
+    chunk_gla(q, k, v, g, scale, initial_state, output_final_state), [B, T, H, *] layout)."""
+    if log_gamma.dim() == 4:
+        from fla.ops.gla import chunk_gla as kernel
+    else:
+        from fla.ops.simple_gla import chunk_simple_gla as kernel
 
     if beta is not None:
         # beta_t k_t v_t^T = (beta_t k_t) v_t^T, and the query side never sees beta, so folding it into k is exact.
         k = k.float() * beta.float()[..., None]
     out, state = _call(
-        chunk_simple_gla,
+        kernel,
         q=q,
         k=k.to(q.dtype),  # fla's kernels expect q, k, v in one dtype
         v=v.to(q.dtype),
@@ -109,6 +115,25 @@ def fla_linear_attention(
         output_final_state=True,
     )
     return out.to(q.dtype), state.float()
+
+
+def fla_diagonal_scan(
+    x: torch.Tensor, log_a: torch.Tensor, initial_state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`diagonal_scan` through fla.ops.hgrn.fused_recurrent_hgrn(x, g, initial_state, output_final_state), g = log_a,
+    h_t = exp(g_t) * h_{t-1} + x_t ([B, T, D], state [B, D]). Not chunk_hgrn: its backward returns no gradient for
+    the initial state and ignores the final state's gradient. The kernel keeps h in float32 per step but stores the
+    outputs and the final state in x's dtype."""
+    from fla.ops.hgrn import fused_recurrent_hgrn
+
+    out, state = _call(
+        fused_recurrent_hgrn,
+        x=x,
+        g=log_a.float(),
+        initial_state=_initial_state(initial_state),
+        output_final_state=True,
+    )
+    return out.to(x.dtype), state.float()
 
 
 def fla_delta_rule(

@@ -1,0 +1,130 @@
+"""Gated Linear Attention (Yang et al., ICML 2024): linear attention with a data-dependent decay per key dimension."""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.mixers.layers import GatedRMSNorm, ShortConv, residual_output
+from lm.mixers.protocol import Mixer, OpCall, register
+from lm.ops import linear_attention, linear_attention_recurrent
+from lm.ops.common import compute_dtype, effective_chunk_size
+from lm.ops.flops import gla_op_flops, gla_op_train_flops, padding_factor
+
+
+@register("gla")
+class GLA(Mixer):
+    """GLA mixer (flash-linear-attention's layer). q, k, v projections; a low-rank decay per key dimension,
+    log alpha_t = logsigmoid(W_2 W_1 x_t + b) / tau (rank 16, temperature tau = 16, so decays start near
+    sigmoid(0)^(1/16) = 0.96 per step); S_t = diag(alpha_t) S_{t-1} + k_t v_t^T, o_t = S_t^T q_t / sqrt(K)
+    (lm.ops.linear_attention with a [B, T, H, K] log-decay); a per-head RMSNorm times silu(W_r x) (the paper's
+    swish output gate over a per-head norm); the output projection.
+
+    Key size K = head_dim, value size V = expand_v * head_dim per head. The paper's keys of d/2 and values of d are
+    half the attention model's heads of 128 with expand_v 2 (`paper_heads`).
+
+    conv_size > 0 adds fla's optional short causal conv + SiLU on q, k and v (`use_short_conv`); the paper's GLA, the
+    default, has none. With it, one layer can bind a token to the one before it, as MQAR needs (docs/mqar.md).
+
+    Parameters, with HK = n_heads * K, HV = n_heads * V, R = gate_rank:
+        d_model * (2 HK + 2 HV)     q, k, v, output gate
+      + d_model * R + R * HK + HK   low-rank decay (second factor with a bias)
+      + V                           output norm
+      + HV * d_model                output projection
+      + (2 HK + HV) * W             convs (if any, W = conv_size)
+
+    State: {"memory": S [B, H, K, V], and the convs' last W - 1 inputs if any}.
+    """
+
+    @dataclass
+    class Options:
+        expand_v: float = 2.0
+        gate_rank: int = 16
+        gate_temperature: float = 16.0
+        conv_size: int = 0
+        chunk_size: int = 64
+        sub_chunk: int = 8  # the op's secondary chunks (GLA's paper; the speed trade-off in docs/performance.md)
+        backend: str = "auto"
+
+    paper_heads = 0.5
+    mqar_steps = 300
+    # fla's short convolution: the paper's block (none) learns this MQAR for one seed in three (docs/mqar.md).
+    mqar_options = {"conv_size": 4}
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        self.key_dim, self.value_dim = head_dim, int(round(o.expand_v * head_dim))
+        self.temperature, self.chunk_size, self.sub_chunk, self.backend = (o.gate_temperature, o.chunk_size,
+                                                                           o.sub_chunk, o.backend)
+        hk, hv = n_heads * self.key_dim, n_heads * self.value_dim
+        self.q_proj = nn.Linear(d_model, hk, bias=False)
+        self.k_proj = nn.Linear(d_model, hk, bias=False)
+        self.v_proj = nn.Linear(d_model, hv, bias=False)
+        self.g_proj = nn.Linear(d_model, hv, bias=False)
+        self.decay_down = nn.Linear(d_model, o.gate_rank, bias=False)
+        self.decay_up = nn.Linear(o.gate_rank, hk)
+        self.convs = nn.ModuleDict({name: ShortConv(width, o.conv_size) for name, width in
+                                    (("q_conv", hk), ("k_conv", hk), ("v_conv", hv))} if o.conv_size > 0 else {})
+        self.norm = GatedRMSNorm(self.value_dim)
+        self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, K] in fp32: logsigmoid(W_2 W_1 x + b) / temperature."""
+        B, T, _ = x.shape
+        logits = self.decay_up(self.decay_down(x)).to(compute_dtype(x))
+        return (F.logsigmoid(logits) / self.temperature).view(B, T, self.n_heads, self.key_dim)
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        B, T, _ = x.shape
+        state, new_state = state or {}, {}
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.convs:
+            q, new_state["q_conv"] = self.convs["q_conv"](q, state.get("q_conv"))
+            k, new_state["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"))
+            v, new_state["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"))
+        q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
+        v = v.view(B, T, self.n_heads, self.value_dim)
+        scale, memory = self.key_dim ** -0.5, state.get("memory")
+        if T == 1 and memory is not None:
+            o, new_state["memory"] = linear_attention_recurrent(q, k, v, self.log_decay(x), None, scale,
+                                                                initial_state=memory)
+        else:
+            o, new_state["memory"] = linear_attention(q, k, v, self.log_decay(x), None, scale, initial_state=memory,
+                                                      chunk_size=self.chunk_size, sub_chunk=self.sub_chunk,
+                                                      backend=self.backend)
+        o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
+        return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
+        o = cls.check_options(options)
+        v = int(round(o.expand_v * head_dim))
+        hk, hv = n_heads * head_dim, n_heads * v
+        return (d_model * (2 * hk + 2 * hv) + d_model * o.gate_rank + o.gate_rank * hk + hk + v + hv * d_model
+                + (2 * hk + hv) * o.conv_size)
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """linear_attention with a per-key decay (lm.ops.flops.gla_op_flops), at the chunk the op uses: a whole
+        number of sub-chunks."""
+        o = cls.check_options(options)
+        sub = effective_chunk_size(o.sub_chunk, effective_chunk_size(o.chunk_size, seq_len))
+        chunk = math.ceil(effective_chunk_size(o.chunk_size, seq_len) / sub) * sub
+        v = int(round(o.expand_v * head_dim))
+        if training:
+            per_token = gla_op_train_flops(chunk, head_dim, v, sub, math.ceil(seq_len / chunk))
+        else:
+            per_token = gla_op_flops(chunk, head_dim, v, sub)
+        return n_heads * padding_factor(seq_len, chunk) * per_token
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
+        K, V = self.key_dim, self.value_dim
+        log_decay = F.logsigmoid(randn(K)) / self.temperature  # the decay's range at init
+        args = [randn(K), randn(K), randn(V), log_decay, None, K**-0.5]
+        return OpCall("linear_attention", linear_attention, linear_attention_recurrent, args,
+                      (batch, T, self.n_heads, V))

@@ -1,0 +1,126 @@
+"""Hawk (De et al., 2024, "Griffin"): the recurrent block with the Real-Gated Linear Recurrent Unit (RG-LRU)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.mixers.layers import ShortConv, no_weight_decay, residual_output
+from lm.mixers.protocol import Mixer, OpCall, register
+from lm.ops import diagonal_scan, diagonal_scan_recurrent
+from lm.ops.common import compute_dtype
+
+
+class BlockDiagonalLinear(nn.Module):
+    """x W + b with W block-diagonal: `blocks` independent [width / blocks]^2 matrices (Griffin's RG-LRU gates)."""
+
+    def __init__(self, width: int, blocks: int):
+        super().__init__()
+        self.blocks = blocks
+        self.weight = nn.Parameter(torch.empty(blocks, width // blocks, width // blocks))
+        self.bias = nn.Parameter(torch.zeros(width))
+        nn.init.normal_(self.weight, std=(width // blocks) ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("...hi,hij->...hj", x.unflatten(-1, (self.blocks, -1)), self.weight)
+        return y.flatten(-2) + self.bias
+
+
+@register("hawk")
+class Hawk(Mixer):
+    """Griffin's recurrent block. Two branches of width W = expand * d_model (rounded to a multiple of n_heads):
+    gelu(W_gate x), and W_x x -> a short causal conv (width conv_size) -> RG-LRU; their product -> W_out. RG-LRU, with
+    block-diagonal gates (n_heads blocks):
+        r_t = sigmoid(W_a u_t + b_a),  i_t = sigmoid(W_i u_t + b_i),  a_t = sigmoid(Lambda)^(c r_t), c = 8,
+        h_t = a_t * h_{t-1} + sqrt(1 - a_t^2) * (i_t * u_t)        (lm.ops.diagonal_scan)
+    Lambda starts so that sigmoid(Lambda)^c is uniform in [0.9, 0.999]. head_dim is not used.
+
+    Griffin's conv has a bias and its first token skips the sqrt(1 - a^2) factor; here the conv is lm's ShortConv (no
+    bias) and every token is normalised alike, so a packed row and a sequence in pieces compute the same.
+
+    Parameters, with W the width, H = n_heads, S = conv_size:
+        2 d_model * W          the two input branches
+      + W * S                  conv
+      + 2 (W^2 / H + W)        the gates (block-diagonal, with biases)
+      + W                      Lambda
+      + W * d_model            output projection
+    """
+
+    @dataclass
+    class Options:
+        expand: float = 4 / 3  # Griffin's D_RNN = 4 D / 3
+        conv_size: int = 4
+        c: float = 8.0
+        chunk_size: int = 64
+        backend: str = "auto"
+
+    mqar_steps = 1000  # 94% after 1000 steps, 97% after 2000: its state is one vector per layer (docs/mqar.md)
+
+    @staticmethod
+    def width(d_model: int, n_heads: int, expand: float) -> int:
+        return n_heads * max(1, round(expand * d_model / n_heads))
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        o = self.options
+        W = self.rnn_width = self.width(d_model, n_heads, o.expand)
+        self.c, self.chunk_size, self.backend = o.c, o.chunk_size, o.backend
+        self.gate_proj = nn.Linear(d_model, W, bias=False)
+        self.x_proj = nn.Linear(d_model, W, bias=False)
+        self.conv = ShortConv(W, o.conv_size, activation=False)
+        self.a_gate = BlockDiagonalLinear(W, n_heads)
+        self.i_gate = BlockDiagonalLinear(W, n_heads)
+        self.a_param = nn.Parameter(torch.empty(W))  # Lambda
+        self.out_proj = residual_output(nn.Linear(W, d_model, bias=False))
+        no_weight_decay(self.a_param)
+        self.reset_mixer_parameters()
+
+    def reset_mixer_parameters(self):
+        """a^c uniform in [0.9, 0.999], i.e. Lambda = logit(a); the gates' blocks at 1 / sqrt(fan-in)."""
+        with torch.no_grad():
+            a = torch.empty_like(self.a_param).uniform_(0.9, 0.999) ** (1 / self.c)
+            self.a_param.copy_(torch.log(a) - torch.log1p(-a))
+            for gate in (self.a_gate, self.i_gate):
+                nn.init.normal_(gate.weight, std=gate.weight.shape[-1] ** -0.5)
+                gate.bias.zero_()
+
+    def scan_inputs(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, log a) [B, T, W] in fp32 for the scan h_t = a_t h_{t-1} + x_t, from the conv's output u."""
+        dtype = compute_dtype(u)
+        r = torch.sigmoid(self.a_gate(u).to(dtype))
+        i = torch.sigmoid(self.i_gate(u).to(dtype))
+        log_a = self.c * r * F.logsigmoid(self.a_param.to(dtype))
+        # sqrt(1 - a^2) = sqrt(-expm1(2 log a)), exact for a near 1 where 1 - a^2 would cancel.
+        return torch.sqrt(-torch.expm1(2 * log_a)) * (i * u.to(dtype)), log_a
+
+    def forward(self, x: torch.Tensor, state: dict | None = None):
+        state = state or {}
+        u, conv_state = self.conv(self.x_proj(x), state.get("conv"))
+        xs, log_a = self.scan_inputs(u)
+        if x.shape[1] == 1 and "rnn" in state:
+            h, rnn_state = diagonal_scan_recurrent(xs, log_a, initial_state=state["rnn"])
+        else:
+            h, rnn_state = diagonal_scan(xs, log_a, initial_state=state.get("rnn"), chunk_size=self.chunk_size,
+                                         backend=self.backend)
+        y = F.gelu(self.gate_proj(x), approximate="tanh") * h.to(x.dtype)
+        return self.out_proj(y), {"conv": conv_state, "rnn": rnn_state}
+
+    @classmethod
+    def param_count(cls, d_model, n_heads, head_dim=0, **options) -> int:
+        o = cls.check_options(options)
+        W = cls.width(d_model, n_heads, o.expand)
+        return 2 * d_model * W + W * o.conv_size + 2 * (W * W // n_heads + W) + W + W * d_model
+
+    @classmethod
+    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
+        """The scan is elementwise (lm.ops.flops.diagonal_scan_op_flops): no matrix products."""
+        return 0.0
+
+    @torch.no_grad()
+    def bench_op(self, batch: int, T: int) -> OpCall:
+        W = self.rnn_width
+        r = torch.sigmoid(torch.randn(batch, T, W))
+        log_a = self.c * r * F.logsigmoid(self.a_param)  # the decays of Lambda's init
+        x = torch.sqrt(-torch.expm1(2 * log_a)) * torch.randn(batch, T, W)
+        return OpCall("diagonal_scan", diagonal_scan, diagonal_scan_recurrent, [x, log_a], (batch, T, W))

@@ -1,0 +1,148 @@
+"""The mixer protocol: what every sequence mixer tells the rest of `lm` about itself, and the registry.
+
+A mixer is one file holding one class, registered with one line (`@register("name")`). The class carries:
+
+    Options             a dataclass of its options, typed, with the papers' defaults; `check_options` checks a
+                        config's options against it (names and types), so a typo fails at parse time in one line
+    param_count(d_model, n_heads, head_dim, **options) -> int
+    flops_per_token(d_model, n_heads, head_dim, seq_len, training, **options) -> float
+                        its projections (2 FLOPs per parameter and token, 6 when training) plus its sequence op
+                        (`op_flops_per_token`, which the mixer defines; lm/flops.py explains what is counted)
+    metrics()           what to log after a forward (optional; e.g. Mesa's CG statistics)
+    bench_op(batch, T)  its sequence op, chunkwise and recurrent, with inputs in the ranges its forward feeds them
+                        (for `lm bench mixer`; mixers without a recurrent op, such as attention, have none)
+
+and, as class attributes, what the planner, the benchmarks and the probes need (below). Nothing outside lm/mixers
+and lm/ops names a mixer: they iterate over MIXERS and read these.
+"""
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+
+from torch import nn
+
+MIXERS: dict[str, type["Mixer"]] = {}
+
+
+def register(name: str):
+    """Class decorator: `@register("gla")` puts the class in MIXERS under `name`."""
+
+    def add(cls):
+        cls.name = name
+        MIXERS[name] = cls
+        return cls
+
+    return add
+
+
+class MixerOptionError(ValueError):
+    """A mixer option that its Options dataclass does not have, or of the wrong type. The message is one line."""
+
+
+@dataclasses.dataclass
+class NoOptions:
+    pass
+
+
+def _conforms(value, hint) -> bool:
+    """Whether a config value (YAML's int, float, str, bool, None, dict, list) fits a type hint of an Options field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None):
+        return value is None
+    if hint is float:  # YAML writes 1.0 as 1
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint)
+
+
+@dataclasses.dataclass
+class OpCall:
+    """A mixer's sequence op as `lm bench mixer` runs it: both forms, positional inputs, and the output's shape."""
+
+    op: str  # its name in lm.ops
+    chunkwise: Callable
+    recurrent: Callable
+    args: list
+    out_shape: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)  # keywords for both forms (e.g. Mesa's CG settings)
+
+
+class Mixer(nn.Module):
+    """Base of every mixer: built as `cls(d_model, n_heads, head_dim, layer_idx, **options)`, with
+    `forward(x [B, T, D], state=None) -> (y [B, T, D], new_state)`; splitting a sequence anywhere and carrying the
+    state gives the same output as one call."""
+
+    name: str = ""  # set by `register`
+    Options: type = NoOptions
+
+    # What the rest of lm reads from a mixer class.
+    paper_heads: float = 1.0
+    """Its heads at the paper's sizes and in `lm compare plan`, as a fraction of the attention model's (Gated
+    DeltaNet and GLA keep their papers' keys of d/2 and values of d with half the heads and expand_v 2)."""
+    mqar_steps: int = 1000
+    """Training steps of `lm eval mqar`'s default task (each a minute or less on 2 CPU cores)."""
+    mqar_options: dict = {}
+    """Options other than the defaults for MQAR (and why, in a comment where it is set)."""
+    demo_lr: float = 4e-3
+    """Peak learning rate in `lm compare demo` (its grid is around it)."""
+    bench_variants: dict[str, dict] = {}
+    """Extra rows of `lm bench mixer`: a label -> the options that differ (e.g. Mesa's CG steps)."""
+    bench_reference: str | None = None
+    """A mixer whose chunkwise time `lm bench mixer` divides this one's by (Mesa: Gated DeltaNet)."""
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__()
+        self.d_model, self.n_heads, self.head_dim, self.layer_idx = d_model, n_heads, head_dim, layer_idx
+        self.options = self.check_options(options)
+
+    @classmethod
+    def check_options(cls, options: dict) -> typing.Any:
+        """The Options of `options`, or a one-line MixerOptionError naming the valid options."""
+        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+        valid = ", ".join(fields) or "none"
+        hints = typing.get_type_hints(cls.Options)
+        for key, value in options.items():
+            if key not in fields:
+                raise MixerOptionError(f"mixer {cls.name!r} has no option {key!r}; its options: {valid}")
+            if not _conforms(value, hints[key]):
+                hint = getattr(hints[key], "__name__", None) if isinstance(hints[key], type) else None
+                hint = hint or str(hints[key]).replace("typing.", "")
+                raise MixerOptionError(f"mixer {cls.name!r} option {key!r} must be {hint}, got {value!r}")
+        return cls.Options(**options)
+
+    @classmethod
+    def param_count(cls, d_model: int, n_heads: int, head_dim: int, **options) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def op_flops_per_token(cls, d_model: int, n_heads: int, head_dim: int, seq_len: int, training: bool,
+                           **options) -> float:
+        """FLOPs per token of the sequence op alone (all heads), forward or forward + backward."""
+        raise NotImplementedError
+
+    @classmethod
+    def flops_per_token(cls, d_model: int, n_heads: int, head_dim: int, seq_len: int, training: bool,
+                        **options) -> float:
+        """Forward (training: forward + backward) FLOPs per token of the whole mixer: 2 per parameter (6 training;
+        the few vector parameters stand in for elementwise work of about that size) plus the sequence op."""
+        matrices = (6 if training else 2) * cls.param_count(d_model, n_heads, head_dim, **options)
+        return matrices + cls.op_flops_per_token(d_model, n_heads, head_dim, seq_len, training, **options)
+
+    def metrics(self) -> dict:
+        return {}
+
+    def bench_op(self, batch: int, T: int) -> OpCall | None:
+        """The op's two forms and random positional inputs [B=batch, T, ...] in the ranges this mixer's forward feeds
+        them (from its own parameters at init, so they cannot drift from what a layer feeds the op); None for a mixer
+        without a recurrent op (attention)."""
+        return None
+

@@ -1,0 +1,31 @@
+"""Sliding-window attention (the MesaNet paper's SWA-1024): softmax attention with RoPE in which each token sees
+itself and the window - 1 tokens before it. Its KV cache keeps window - 1 tokens, so decoding memory is constant."""
+
+from dataclasses import dataclass
+
+from lm.mixers.attention import Attention
+from lm.mixers.protocol import MixerOptionError, register
+
+
+@register("swa")
+class SlidingWindowAttention(Attention):
+    """Attention (lm.mixers.attention) with a banded causal mask of `window` keys per query; on CPU and CUDA the
+    mask goes to scaled_dot_product_attention. Parameters: attention's."""
+
+    @dataclass
+    class Options(Attention.Options):
+        window: int = 1024  # keys each query sees, itself included
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
+        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
+        if self.options.window < 1:
+            raise MixerOptionError(f"swa window must be at least 1, got {self.options.window}")
+        self.window = self.options.window
+
+    @classmethod
+    def mean_context(cls, seq_len: int, **options) -> float:
+        """Keys per query averaged over the sequence: t for the first `window` queries, `window` after them."""
+        w, T = cls.check_options(options).window, seq_len
+        if T <= w:
+            return (T + 1) / 2
+        return (w * (w + 1) / 2 + (T - w) * w) / T
