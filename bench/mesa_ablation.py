@@ -27,31 +27,31 @@ SETTINGS = Path(__file__).resolve().parent.parent / "configs/bench/mesa_ablation
 
 def load_variants(path: Path = SETTINGS) -> tuple[dict[str, tuple[str, dict, list[float]]], list[int]]:
     """(name -> (mixer, options, lrs), seeds) from the settings file (configs/bench/mesa_ablation.yaml)."""
+    if not Path(path).is_file():
+        raise UserError(f"{path} not found: give --settings (configs/bench/mesa_ablation.yaml of the source tree)")
     settings = yaml.safe_load(Path(path).read_text())
     variants = {name: (v["mixer"], v.get("options") or {}, v.get("lrs") or settings["lrs"])
                 for name, v in settings["variants"].items()}
     return variants, settings["seeds"]
 
 
-VARIANTS, SEEDS = load_variants()
-
-
 def run_name(variant: str, lr: float, seed: int) -> str:
     return f"{variant}-lr{lr:g}-seed{seed}"
 
 
-def planned_configs(out: Path, base: dict, params: float, only: list[str] | None) -> list[tuple[str, str]]:
+def planned_configs(out: Path, base: dict, params: float, only: list[str] | None, variants: dict,
+                    seeds: list[int]) -> list[tuple[str, str]]:
     """(run name, config path) for every run of the variants in `only` (None: all), in the settings' order."""
     from lm.compare.plan import plan
 
     configs = []
-    for variant, (mixer, options, lrs) in VARIANTS.items():
+    for variant, (mixer, options, lrs) in variants.items():
         if only and variant not in only:
             continue
         variant_base = out / f"base-{variant}.yaml"
         model = {**base["model"], "mixer_options": {mixer: options}} if options else base["model"]
         variant_base.write_text(yaml.safe_dump({**base, "model": model}, sort_keys=False))
-        planned = plan(archs=mixer, params=params, base=str(variant_base), lrs={mixer: lrs}, seeds=SEEDS,
+        planned = plan(archs=mixer, params=params, base=str(variant_base), lrs={mixer: lrs}, seeds=seeds,
                        out=str(out / f"plan-{variant}"))
         for path in planned["archs"][0]["configs"]:
             config = yaml.safe_load(Path(path).read_text())
@@ -82,15 +82,15 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
     return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
 
 
-def ablation_table(out: Path, seq_len: int) -> str:
+def ablation_table(out: Path, seq_len: int, variants: dict, seeds: list[int]) -> str:
     """One row per (variant, lr) from the run directories: val ppl (`lm eval ppl`) mean and spread (max - min) over
     seeds, and for Mesa where the gates went (seed 0)."""
     header = ("setting", "options", "lr", "seeds", "val ppl (mean)", "spread", "val ppl per seed",
               "gamma mean, first -> last step", "max gate-bias change")
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for variant, (mixer, options, lrs) in VARIANTS.items():
+    for variant, (mixer, options, lrs) in variants.items():
         for lr in lrs:
-            runs = [out / "runs" / run_name(variant, lr, seed) for seed in SEEDS]
+            runs = [out / "runs" / run_name(variant, lr, seed) for seed in seeds]
             results = [run / "eval" / f"ppl-validation-T{seq_len}" / "ppl.json" for run in runs]
             ppls = [json.loads(path.read_text())["ppl"] for path in results if path.is_file()]
             if not ppls:
@@ -106,7 +106,8 @@ def ablation_table(out: Path, seq_len: int) -> str:
 
 def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: int = 400, global_batch: int = 8,
                   seq_len: int = 128, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
-                  val_windows: int | None = None, only: list[str] | None = None, report_only: bool = False) -> dict:
+                  val_windows: int | None = None, only: list[str] | None = None, report_only: bool = False,
+                  settings: str = str(SETTINGS)) -> dict:
     """Mesa's gate init, output gate and CG stopping, and the lr, against Gated DeltaNet (~2 hours on 2 CPU cores).
 
     Args:
@@ -121,15 +122,17 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
         val_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
         only: Run only these variants (names in configs/bench/mesa_ablation.yaml).
         report_only: Train nothing: the table and the report from the runs already under --out.
+        settings: The variants, lrs and seeds (default: configs/bench/mesa_ablation.yaml of the source tree).
     """
     import os
 
     from lm.compare.demo import base_config, prepared_data, run_jobs, train_and_evaluate
     from lm.compare.report import report
 
-    unknown = sorted(set(only or []) - set(VARIANTS))
+    variants, seeds = load_variants(Path(settings))
+    unknown = sorted(set(only or []) - set(variants))
     if unknown:
-        raise UserError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+        raise UserError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(variants)}")
     for name, value in (("params", params), ("steps", steps), ("global_batch", global_batch), ("seq_len", seq_len),
                         ("workers", workers)):
         if value < 1:
@@ -139,7 +142,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     base = base_config(data, vocab, seq_len, global_batch, val_windows)
-    configs = planned_configs(out_dir, base, params, only)
+    configs = planned_configs(out_dir, base, params, only, variants, seeds)
     val_every = max(1, steps // 4)
     overrides = ["--trainer.max_steps", str(steps), "--trainer.val_every", str(val_every), "--trainer.ckpt_every",
                  str(steps), "--trainer.log_every", str(max(1, min(10, steps // 10))), "--optim.warmup_steps",
@@ -155,7 +158,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
         print(f"lm bench mesa-ablation: {len(jobs)} runs of {steps} steps x {global_batch} x {seq_len} tokens, "
               f"{workers} at a time; logs in {out_dir / 'logs'}", file=sys.stderr)
         run_jobs(jobs, workers, command="lm bench mesa-ablation")
-    table = ablation_table(out_dir, seq_len)
+    table = ablation_table(out_dir, seq_len, variants, seeds)
     (out_dir / "ablation.md").write_text(table)
     report_dir = report([str(out_dir / "runs" / name) for name in names if (out_dir / "runs" / name).is_dir()],
                         out=str(out_dir / "report"), positions=[1, 16, seq_len],

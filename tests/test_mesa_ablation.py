@@ -23,3 +23,9 @@ def test_mesa_ablation_trains_tables_and_reports_a_variant(kjv_data, tmp_path, c
 def test_mesa_ablation_rejects_an_unknown_variant(tmp_path, capsys):
     assert main(["bench", "mesa-ablation", "--out", str(tmp_path), "--only", "[mesa-nothing]"]) == 2
     assert "unknown variant(s) mesa-nothing" in capsys.readouterr().err
+
+
+def test_mesa_ablation_without_its_settings_file_is_one_line(tmp_path, capsys):
+    assert main(["bench", "mesa-ablation", "--out", str(tmp_path), "--settings", str(tmp_path / "none.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none.yaml not found" in err[0]
