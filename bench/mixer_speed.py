@@ -99,14 +99,14 @@ def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = mat
     return 1e3 * best
 
 
-def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int, options: dict) -> float:
+def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int) -> float:
     """Run in a fresh process: peak RSS of one chunkwise forward + backward minus the RSS after inputs exist, MiB.
 
     RSS accounting is approximate: figures within a few tenths of a MiB of 0 (even negative) are noise."""
     # A short run first, so one-time costs (autograd threads, library buffers) do not count as memory that grows in T.
-    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch, **options)
+    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch)
     forward_backward(op_fns(call)[0], call.args, proj)
-    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch, **options)
+    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
     chunkwise = op_fns(call)[0]
     return peak_growth_mib(lambda: forward_backward(chunkwise, call.args, proj))
 
@@ -148,7 +148,7 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
         runs.append((mixer, mixer, {}, True))
         for label, options in (MIXERS[mixer].bench_variants.items() if variants else ()):
             runs.append((mixer, f"{mixer} ({label})", options, False))
-    rows, measured = [], []  # measured: (row, mixer) of the rows whose peak memory to measure
+    rows, row_mixers, measured = [], [], []  # measured: (row, mixer) of the rows whose peak memory to measure
     for mixer, label, options, default in runs:
         for T in lengths:
             call, proj = op_call(mixer, T, **shape, **options)
@@ -160,21 +160,21 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
             row = {"mixer": label, "op": call.op, "T": T, "chunk_ms": chunk_ms, "recurrent_ms": recurrent_ms,
                    "ratio": None if recurrent_ms is None else recurrent_ms / chunk_ms,
                    "peak_mib": None, "mib_per_1k_tokens": None,
-                   "cg_iterations": float(info["iterations"]) if info else None, "vs_reference": None}
+                   "cg_iterations": float(info["iterations"]) if info else None, "reference": None,
+                   "vs_reference": None}
             rows.append(row)
+            row_mixers.append(mixer)
             if default:
                 measured.append((row, mixer))
     chunk_ms = {(r["mixer"], r["T"]): r["chunk_ms"] for r in rows}
-    for (mixer, label, _, _) in runs:
+    for r, mixer in zip(rows, row_mixers):
         reference = MIXERS[mixer].bench_reference
-        for r in rows:
-            if r["mixer"] == label and (reference, r["T"]) in chunk_ms:
-                r["vs_reference"] = r["chunk_ms"] / chunk_ms[reference, r["T"]]
-                r["reference"] = reference
+        if (reference, r["T"]) in chunk_ms:
+            r["reference"], r["vs_reference"] = reference, r["chunk_ms"] / chunk_ms[reference, r["T"]]
     if memory:
         with fresh_processes() as pool:
             for r, mixer in measured:
-                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), dict(shape, options={}))
+                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), shape)
                 r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)
     result = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
               "threads": torch.get_num_threads(), **shape, "repeats": repeats, "max_s": max_s,

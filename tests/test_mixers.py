@@ -8,6 +8,7 @@ import torch
 
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
+from lm.module import LMModule
 from lm.param_groups import decay_groups, param_groups
 from lm.schedule import OptimConfig
 
@@ -71,16 +72,18 @@ def test_mesa_gate_inits_give_the_memories_they_name(init, memories):
 def test_parameter_groups_survive_parameters_that_lose_their_markers():
     """FSDP2's fully_shard replaces each parameter with a new one that has none of the mixers' markers; the groups
     taken from the unsharded model (LMModule does, at construction) still place every parameter by name."""
-    model = LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, head_dim=16,
-                                   layer_pattern="mesa,attention"))
     cfg = OptimConfig(weight_decay=0.1, qk_weight_decay=0.0, vo_weight_decay=0.05)
+    module = LMModule(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, head_dim=16,
+                               layer_pattern="mesa,attention"), cfg, max_steps=10)
+    model = module.model
     by_name = lambda groups: {g["name"]: sorted(n for n, p in model.named_parameters()
                                                 if any(p is q for q in g["params"])) for g in groups}
     marked = by_name(param_groups(model, cfg))
     groups = decay_groups(model)
-    for module in model.modules():  # what fully_shard does to the parameters, without a process group
-        for name, p in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(p.detach().clone()))
+    for sub in model.modules():  # what fully_shard does to the parameters, without a process group
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, torch.nn.Parameter(p.detach().clone()))
     assert by_name(param_groups(model, cfg, groups)) == marked
+    assert by_name(module.configure_optimizers()["optimizer"].param_groups) == marked
     assert by_name(param_groups(model, cfg)) != marked  # read from the new parameters, the markers are gone
     assert {"qk", "vo", "decay", "no_decay"} <= set(marked) and "blocks.0.mixer.lam_raw" in marked["no_decay"]

@@ -58,13 +58,10 @@ def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: in
 
 def demo_archs() -> list[str]:
     """Every registered mixer, then the MesaNet paper's hybrids (configs/paper_sizes.py's PAPER_HYBRIDS)."""
+    from lm.compare.plan import named_hybrids
     from lm.mixers import MIXERS
 
-    try:
-        from configs.paper_sizes import PAPER_HYBRIDS
-    except ImportError:  # an installed lm without the source tree's configs/
-        PAPER_HYBRIDS = ()
-    return [*MIXERS, *PAPER_HYBRIDS]
+    return [*MIXERS, *named_hybrids(paper_only=True)]
 
 
 def demo_lr(arch: str) -> float:
@@ -74,14 +71,14 @@ def demo_lr(arch: str) -> float:
     return MIXERS[parse_archs([arch])[0].mixers[0]].demo_lr
 
 
-def mqar_job(mixers: list[str], json_out: Path, steps: int | None, log: Path, threads: int) -> dict:
+def mqar_job(mixers: list[str], steps: int | None, log: Path, threads: int) -> dict:
     """The other jobs: `lm eval mqar`, a 2-layer model of each mixer on multi-query associative recall."""
     start = time.perf_counter()
     worker_setup(log, threads)
     from eval.mqar import mqar_table
 
     # The blocks as trained here, each with its defaults (not their mqar_options: mLSTM stays xLSTM 7B's).
-    rows = mqar_table(mixers=mixers, steps=steps, mixer_options={name: {} for name in mixers}, json_out=str(json_out))
+    rows = mqar_table(mixers=mixers, steps=steps, mixer_options={name: {} for name in mixers})
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
@@ -245,7 +242,7 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     mqar_jobs = {}
     for part in range(min(2, len(mixers))):
         name, log = f"mqar-{part + 1}", logs / f"mqar-{part + 1}.log"
-        mqar_jobs[name] = (mqar_job, (mixers[part::2], out_dir / f"{name}.json", mqar_steps, log, threads), log)
+        mqar_jobs[name] = (mqar_job, (mixers[part::2], mqar_steps, log, threads), log)
     order = [by_cost[0]["arch"], *mqar_jobs, *(row["arch"] for row in by_cost[1:])]
     jobs.update(mqar_jobs)
     print(f"lm compare demo: {len(labels)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "

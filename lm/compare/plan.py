@@ -86,13 +86,14 @@ class Arch:
         return ",".join(self.mixers) if len(self.mixers) > 1 else None
 
 
-def named_hybrids() -> dict[str, str]:
-    """configs/paper_sizes.py's hybrid names, where the source tree is importable."""
+def named_hybrids(paper_only: bool = False) -> dict[str, str]:
+    """configs/paper_sizes.py's hybrids (name -> layer pattern), where the source tree is importable; with
+    `paper_only`, the MesaNet paper's alone (PAPER_HYBRIDS)."""
     try:
-        from configs.paper_sizes import HYBRIDS
+        from configs.paper_sizes import HYBRIDS, PAPER_HYBRIDS
     except ImportError:
         return {}
-    return HYBRIDS
+    return {name: HYBRIDS[name] for name in PAPER_HYBRIDS} if paper_only else HYBRIDS
 
 
 def parse_archs(archs: str | list[str]) -> list[Arch]:

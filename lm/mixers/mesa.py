@@ -16,7 +16,6 @@ from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import mesa_op_flops, mesa_op_train_flops, padding_factor
 
 GammaInit = typing.Literal["narrow", "zero", "spread"]
-GAMMA_INITS = typing.get_args(GammaInit)
 
 
 def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
