@@ -3,6 +3,8 @@
 A sequence lists n key-value pairs, then asks for the keys again in a random order, each query followed by a
 filler token; the model must answer each query with its value. Keys come from the lower half of the vocabulary
 (1 .. vocab/2 - 1; 0 is the filler), values from the upper half; only the answer positions are scored.
+With a fixed `length` (zoology's format, used by eval/mqar_grid.py) the queries sit at random positions of the
+rest of the sequence, and every other position there holds the filler.
 `train_mqar` trains a small model of one mixer on it and reports accuracy.
 """
 
@@ -22,10 +24,20 @@ class MQARTask:
     vocab: int = 128
     pairs: int = 8
     queries: int | None = None  # default: every key once
+    length: int | None = None  # fixed input length (zoology's format); None: context then `query 0` pairs
+
+    def __post_init__(self):
+        n, m = self.pairs, self.queries or self.pairs
+        if n > self.vocab // 2 - 1:
+            raise ValueError(f"{n} pairs need {n} distinct keys; vocab {self.vocab} has {self.vocab // 2 - 1} "
+                             f"(1 .. vocab/2 - 1)")
+        if self.length is not None and 2 * n + m > self.length:
+            raise ValueError(f"{n} pairs and {m} queries need 2 x {n} + {m} = {2 * n + m} tokens; "
+                             f"length is {self.length}")
 
     @property
     def seq_len(self) -> int:
-        return 2 * self.pairs + 2 * (self.queries or self.pairs)
+        return self.length or 2 * self.pairs + 2 * (self.queries or self.pairs)
 
 
 def mqar_batch(task: MQARTask, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,13 +48,18 @@ def mqar_batch(task: MQARTask, batch: int, generator: torch.Generator) -> tuple[
     values already given, without binding keys to values at all (Mamba2 and mLSTM settled there, near 57%).
     """
     half, n, m = task.vocab // 2, task.pairs, task.queries or task.pairs
-    if n > half - 1:
-        raise ValueError(f"{n} pairs need {n} distinct keys; vocab {task.vocab} has {half - 1} (1 .. vocab/2 - 1)")
     keys = torch.stack([torch.randperm(half - 1, generator=generator)[:n] + 1 for _ in range(batch)])
     values = torch.randint(half, task.vocab, (batch, n), generator=generator)
     asked = torch.stack([torch.randperm(n, generator=generator)[:m] for _ in range(batch)])
     context = torch.stack([keys, values], dim=2).flatten(1)  # k1 v1 k2 v2 ...
     query_keys = keys.gather(1, asked)
+    if task.length is not None:  # zoology: the queries at random positions after the context, filler elsewhere
+        where = 2 * n + torch.rand(batch, task.length - 2 * n, generator=generator).argsort(1)[:, :m]
+        inputs = torch.zeros(batch, task.length, dtype=torch.long)
+        inputs[:, :2 * n] = context
+        inputs.scatter_(1, where, query_keys)
+        targets = torch.full_like(inputs, -100).scatter_(1, where, values.gather(1, asked))
+        return inputs, targets
     tail = torch.stack([query_keys, torch.zeros_like(query_keys)], dim=2).flatten(1)  # q1 0 q2 0 ...
     inputs = torch.cat([context, tail], dim=1)[:, :-1]
     targets = torch.full_like(inputs, -100)
@@ -72,6 +89,11 @@ def state_floats(model: LanguageModel, length: int) -> int:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return sum(t.numel() for t in tensors)
+
+
+def state_floats_per_layer(model: LanguageModel, length: int) -> int:
+    """`state_floats` of one layer (the mean over layers: a hybrid's layers differ)."""
+    return state_floats(model, length) // model.cfg.n_layers
 
 
 def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_layers: int = 2, n_heads: int = 2,

@@ -25,6 +25,8 @@ COMMANDS = {
     "export": "lm.export:export",
     "eval ppl": "eval.ppl:evaluate_ppl",
     "eval mqar": "eval.mqar:mqar_table",
+    "eval mqar-grid": "eval.mqar_grid:mqar_grid",
+    "eval icl": "eval.icl:icl",
     "eval harness": "eval.run_harness:harness",
     "eval longctx": "eval.longctx.grid:longctx",
     "eval passkey": "eval.longctx.passkey:passkey",
@@ -61,6 +63,8 @@ commands:
                length x depth, and the same probes as lm-eval tasks
   eval passkey train a tiny attention model on passkey retrieval, then grid it (a check of the probes)
   eval mqar    multi-query associative recall: a small model of each mixer, accuracies side by side
+  eval mqar-grid  MQAR in zoology's grid (widths x key-value pairs): accuracy against recurrent state size
+  eval icl     in-context linear regression: each mixer's loss by position against ridge and one GD step
   generate     sample a continuation from a checkpoint
   bench train  training tokens/s and MFU per mixer, width and length (or per run config)
   bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length

@@ -4,6 +4,7 @@ evaluation), write it into the run directory, submit it and print the job id.
     lm slurm submit [SLURM options] -- [lm train arguments]
     lm slurm submit [SLURM options] --array SWEEP.yaml [-- arguments common to every run]
     lm slurm submit --kind eval [SLURM options] -- ppl --checkpoint RUN_DIR ...
+    lm slurm submit --kind eval --tasks N [SLURM options] -- mqar-grid --out DIR ...   # task i adds --cell i
 
 The run's resolved config is frozen into RUN_DIR/slurm/ at submission, so a requeued job trains exactly what was
 submitted. Site defaults (partition, account, setup lines) come from the site file, never from the code.
@@ -92,6 +93,9 @@ def submit_parser() -> ArgumentParser:
                         help="train: `lm train` on nodes x devices; eval: an `lm eval` command, one process.")
     parser.add_argument("--array", type=str | None, default=None,
                         help="A sweep file (runs: a list of config-key mappings): one array task per run.")
+    parser.add_argument("--tasks", type=int | None, default=None,
+                        help="--kind eval: an array of N tasks, task i running the command with `--cell i` (a grid "
+                             "split into cells, e.g. mqar-grid; `lm eval mqar-grid ... --cell -1` prints N).")
     parser.add_argument("--job_dir", type=str | None, default=None,
                         help="Where the script and the job's own log go (default: RUN_DIR/slurm; a sweep: "
                              "runs/sweeps/NAME; an evaluation: the checkpoint's run directory/slurm).")
@@ -175,8 +179,8 @@ def plan_train(args: list[str], opts: SlurmOptions, stamp: str) -> PlannedRun:
                       (frozen, resolved), (nodes, devices, gpus))
 
 
-def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None) -> PlannedRun:
-    """An `lm eval` command, checked as the CLI would parse it; one process."""
+def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None, tasks: int | None = None) -> PlannedRun:
+    """An `lm eval` command, checked as the CLI would parse it; one process (per array task with `tasks`)."""
     from lm.checkpoint import run_dir_of
     from lm.cli import COMMANDS, function_parser, load_command
 
@@ -189,10 +193,18 @@ def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None) -> Pl
         namespace = parser.parse_args(command[1:])
     except Exception as err:
         raise UserError(error_line(parser, err)) from None
-    checkpoint = namespace.get("checkpoint")
-    if job_dir is None and checkpoint is None:
+    if tasks is not None:
+        if "cell" not in namespace:
+            raise UserError(f"--tasks needs a command split into cells (a --cell option); lm {name} has none")
+        if namespace.get("cell") is not None:
+            raise UserError("--tasks gives each array task its --cell: drop --cell from the command")
+        if tasks < 1:
+            raise UserError(f"--tasks must be at least 1, got {tasks}")
+    checkpoint, out = namespace.get("checkpoint"), namespace.get("out")
+    if job_dir is None and checkpoint is None and out is None:
         raise UserError(f"lm {name} has no --checkpoint: give --job_dir for the job's script and log")
-    run_dir = run_dir_of(checkpoint).resolve() if checkpoint else Path(job_dir).resolve()
+    # The job's script and log go beside what it evaluates, else beside what it writes.
+    run_dir = (run_dir_of(checkpoint) if checkpoint else Path(job_dir or out)).resolve()
     gpus = opts.gpus_per_node if opts.gpus_per_node is not None else 1
     return PlannedRun(run_dir, ["eval", *command], None, (1, 1, gpus))
 
@@ -208,16 +220,16 @@ def refuse_live_jobs(run_dirs: list[Path]) -> None:
 
 
 def render(kind: str, runs: list[PlannedRun], opts: SlurmOptions, job_dir: Path, array: bool,
-           job_name: str) -> str:
+           job_name: str, tasks: int | None = None) -> str:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
                              undefined=jinja2.StrictUndefined)
     env.filters["quote"] = lambda s: shlex.quote(str(s))
     env.filters["quote_all"] = lambda args: " ".join(shlex.quote(str(a)) for a in args)
     nodes, tasks_per_node, gpus = runs[0].shape
     return env.from_string(TEMPLATE.read_text()).render(
-        kind=kind, runs=runs, o=opts, array=array, job_name=job_name, nodes=nodes, tasks_per_node=tasks_per_node,
-        gpus_per_node=gpus, chdir=os.getcwd(), job_dir=job_dir, requeue=kind == "train",
-        log_name="array-%A_%a" if array else "job-%j", python=opts.python or sys.executable)
+        kind=kind, runs=runs, o=opts, array=array, tasks=tasks, job_name=job_name, nodes=nodes,
+        tasks_per_node=tasks_per_node, gpus_per_node=gpus, chdir=os.getcwd(), job_dir=job_dir, requeue=kind == "train",
+        log_name="array-%A_%a" if array or tasks else "job-%j", python=opts.python or sys.executable)
 
 
 def submit_from_args(argv: list[str]) -> str | None:
@@ -228,15 +240,18 @@ def submit_from_args(argv: list[str]) -> str | None:
         namespace = parser.parse_args(own)
     except Exception as err:
         raise UserError(error_line(parser, err)) from None
-    kind, array, job_dir, dry_run = (namespace.pop(k) for k in ("kind", "array", "job_dir", "dry_run"))
+    kind, array, tasks, job_dir, dry_run = (namespace.pop(k) for k in ("kind", "array", "tasks", "job_dir",
+                                                                        "dry_run"))
     namespace.pop("__default_config__", None)
     opts = SlurmOptions(**{k: v for k, v in namespace.as_dict().items() if k in SlurmOptions.__annotations__})
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
+    if tasks is not None and kind != "eval":
+        raise UserError("--tasks is for --kind eval (a grid split into cells); a training sweep is --array")
     if kind == "eval":
         if array:
-            raise UserError("--array is for training sweeps; submit evaluations one by one")
-        runs = [plan_eval(command, opts, job_dir)]
+            raise UserError("--array is for training sweeps; an evaluation grid is --tasks N")
+        runs = [plan_eval(command, opts, job_dir, tasks)]
         job_dir = Path(job_dir).resolve() if job_dir else runs[0].run_dir / "slurm"
         job_name = f"lm-eval-{runs[0].run_dir.name}"
     elif array:
@@ -257,7 +272,7 @@ def submit_from_args(argv: list[str]) -> str | None:
         job_dir = Path(job_dir).resolve() if job_dir else runs[0].run_dir / "slurm"
         job_name = f"lm-{runs[0].run_dir.name}"
 
-    script = render(kind, runs, opts, job_dir, bool(array), job_name)
+    script = render(kind, runs, opts, job_dir, bool(array), job_name, tasks)
     if dry_run:
         print(script, end="")
         return None

@@ -20,13 +20,13 @@ def test_the_demo_compares_every_mixer_and_the_named_hybrids():
 def test_compare_demo_fast_mode_trains_runs_probes_mqar_and_reports(kjv_data, tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["compare", "demo", "--out", str(out), "--data", kjv_data, "--params", "1.5e5", "--seq_len", "32",
-                 "--global_batch", "8", "--steps", "2", "--mqar_steps", "2", "--eval_windows", "4",
+                 "--global_batch", "8", "--steps", "2", "--mqar_steps", "2", "--icl_steps", "2", "--eval_windows", "4",
                  "--archs", json.dumps(ARCHS)]) == 0
     printed = capsys.readouterr().out
     named = ["attention", "mamba2", "hawk+mesa"]  # as the report and the summary name a hybrid
     assert "in all; report:" in printed and all(f"| {arch} |" in printed for arch in named)
     assert "| hawk+mesa | 0.004 | " in (out / "summary.md").read_text()  # the hybrid's run is in its row
-    assert "mqar-1.log" in {p.name for p in (out / "logs").iterdir()}
+    assert {"mqar-1.log", "icl.log"} <= {p.name for p in (out / "logs").iterdir()}
 
     for arch in ARCHS:
         run = out / "runs" / arch
@@ -37,6 +37,9 @@ def test_compare_demo_fast_mode_trains_runs_probes_mqar_and_reports(kjv_data, tm
     rows = [line for line in best.splitlines() if line.startswith("| ") and not line.startswith(("| arch", "| ---"))]
     assert sorted(row.split(" | ")[0][2:] for row in rows) == sorted(named)
     assert "## MQAR recall (lm eval mqar)" in report
+    icl = report.split("## In-context linear regression (lm eval icl)")[1].split("##")[0]
+    assert {row.split(" | ")[0][2:] for row in icl.splitlines()[4:] if row} == {*MQAR, "mesa, cg 0"}
+    assert (out / "report" / "icl.png").is_file() and "](icl.png)" in report
     html = (out / "report" / "report.html").read_text()
     assert "MQAR recall" in html and "data:image/png;base64," in html
 

@@ -245,3 +245,27 @@ def test_a_path_that_is_no_run_directory_exits_2_with_one_line(fixture_runs, tmp
         f"lm compare report: error: {not_a_run} is not a run directory (no config.yaml; `lm train` writes one into "
         f"its run_dir)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_probe_outputs_are_sections_with_their_figures(fixture_runs, tmp_path):
+    from eval.icl import icl
+
+    icl(mixers=["gla"], blocks=["minimal"], layers=[1], x_dim=3, length=8, steps=2, eval_sequences=64, processes=1,
+        out=str(tmp_path / "icl"))
+    out = tmp_path / "report"
+    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(out), "--icl",
+                 str(tmp_path / "icl")]) == 0
+    text = (out / "report.md").read_text()
+    section = text.split("## In-context linear regression (lm eval icl)")[1].split("\n## ")[0]
+    assert markdown_tables(section)[0][1][:3] == ["gla", "minimal", "1"]
+    assert "](icl.png)" in text and (out / "icl.png").is_file()
+    assert "In-context linear regression" in (out / "report.html").read_text()
+
+
+def test_a_probe_folder_without_its_output_exits_2_before_writing(fixture_runs, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "lm.cli", "compare", "report", str(fixture_runs["hybrid"]),
+                             "--out", str(tmp_path / "out"), "--icl", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"lm compare report: error: {tmp_path / 'icl.json'} not found (write it with lm eval icl --out {tmp_path})"]
+    assert not (tmp_path / "out").exists()

@@ -360,3 +360,46 @@ def test_a_missing_site_file_named_by_the_environment_is_an_error(monkeypatch, t
     monkeypatch.setenv("LM_SLURM_SITE", str(tmp_path / "nowhere.yaml"))
     with pytest.raises(UserError, match="LM_SLURM_SITE names .*nowhere.yaml, which is not a file"):
         submit_from_args(["--dry-run", "--", "--config", "x.yaml"])
+
+
+# An evaluation grid as an array: task i runs cell i (`lm eval mqar-grid --cell i`), a later call collects.
+
+def test_an_eval_grid_array_renders_one_cell_per_task(tmp_path, capsys):
+    out = tmp_path / "grid"
+    submit_from_args(["--dry-run", "--kind", "eval", "--tasks", "3", "--gpus_per_node", "0", "--", "mqar-grid",
+                      "--quick", "true", "--out", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "#SBATCH --array=0-2" in lines and "#SBATCH --no-requeue" in lines
+    assert f"#SBATCH --output={out}/slurm/array-%A_%a.out" in lines
+    assert f"ARGS=(eval mqar-grid --quick true --out {out})" in lines
+    assert 'ARGS+=(--cell "$SLURM_ARRAY_TASK_ID")' in lines
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "2", "--", "--config", "x.yaml"], "--tasks is for --kind eval"),
+    (["--kind", "eval", "--tasks", "2", "--", "ppl", "--checkpoint", "x"], "lm eval ppl has none"),
+    (["--kind", "eval", "--tasks", "2", "--", "mqar-grid", "--cell", "1"], "drop --cell from the command"),
+    (["--kind", "eval", "--tasks", "0", "--", "mqar-grid"], "--tasks must be at least 1"),
+    (["--kind", "eval", "--array", "s.yaml", "--", "mqar-grid"], "an evaluation grid is --tasks N"),
+])
+def test_eval_arrays_are_checked(args, message):
+    with pytest.raises(UserError, match=message):
+        submit_from_args(["--dry-run", *args])
+
+
+def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
+    from eval.mqar_grid import mqar_grid
+    from lm.mixers import MIXERS
+
+    out, mixer = tmp_path / "grid", sorted(MIXERS)[0]
+    command = ["mqar-grid", "--quick", "true", "--mixers", f"[{mixer}]", "--out", str(out)]
+    tasks = lm(cluster, "eval", *command, "--cell", "-1").stdout.strip()
+    assert tasks == "2"
+    job = submit(cluster, "--kind", "eval", "--tasks", tasks, "--gpus_per_node", "0", "--", *command)
+    for task in range(2):
+        info = wait_until_ended(cluster, f"{job}_{task}")
+        assert info["JobState"] == "COMPLETED", (out / "slurm" / f"array-{job}_{task}.err").read_text()[-3000:]
+    assert len(list((out / "cells").glob("*.json"))) == 2
+    assert len(mqar_grid(out=str(out), mixers=[mixer], quick=True, processes=1)) == 2  # collects, reruns none
+    assert f'"job": "{job}"' in (out / "slurm" / "jobs.jsonl").read_text()

@@ -1,10 +1,11 @@
 """`lm compare demo`: the showcase comparison on a 2-core CPU. Every registered mixer and the MesaNet paper's hybrids
 (configs/paper_sizes.py) at matched parameters (lm compare plan) train on the bundled corpus for the same tokens,
-`lm eval ppl` evaluates each, `lm eval mqar` probes recall, and `lm compare report` puts it all side by side, the MQAR
-table included.
+`lm eval ppl` evaluates each, `lm eval mqar` probes recall, a quick `lm eval icl` in-context regression, and
+`lm compare report` puts it all side by side, the MQAR table and the regression's section included.
 
 Layout under --out: data/ (the prepared corpus, reused by a rerun), base.yaml, plan/ (plan.md, configs), runs/ARCH
-(one `lm train` run each, with eval/), logs/ (each job's output), mqar.{md,json,csv}, summary.md and report/.
+(one `lm train` run each, with eval/), logs/ (each job's output), mqar.{md,json,csv}, icl/, summary.md and
+report/.
 
 The jobs run in worker processes, one thread each, two at a time on two cores, so both cores stay busy throughout.
 The costliest (most training FLOPs per token, Mesa's CG first) start first, so both workers finish about together.
@@ -82,6 +83,16 @@ def mqar_job(mixers: list[str], steps: int | None, log: Path, threads: int) -> d
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
+def icl_job(mixers: list[str], steps: int | None, out: Path, log: Path, threads: int) -> dict:
+    """One more job: `lm eval icl --quick`, one minimal layer of each mixer on in-context linear regression."""
+    start = time.perf_counter()
+    worker_setup(log, threads)
+    from eval.icl import QUICK, icl
+
+    icl(mixers=mixers, **{**QUICK, "steps": steps or QUICK["steps"]}, processes=1, out=str(out))
+    return {"seconds": time.perf_counter() - start}
+
+
 def run_jobs(jobs: dict[str, tuple], workers: int, command: str = "lm compare demo") -> dict[str, dict]:
     """name -> (function, args, log): runs them in the given order, `workers` at a time, each in a fresh process;
     `command` heads the progress lines."""
@@ -151,33 +162,35 @@ def write_mqar(out: Path, rows: list[dict]) -> Path:
     return out / "mqar.csv"
 
 
-def summary_table(report_csv: Path, mqar: list[dict], seq_len: int, archs: list[str]) -> str:
+def summary_table(report_csv: Path, mqar: list[dict], icl: list[dict], seq_len: int, archs: list[str]) -> str:
     """One row per architecture (as the report names it: a hybrid's mixers joined by "+"): the report's numbers for
-    its run and, for a single mixer, its MQAR accuracy."""
+    its run and, for a single mixer, its MQAR accuracy and its regression's excess loss over ridge."""
     with open(report_csv) as f:
         runs = {row["arch"]: row for row in csv.DictReader(f)}
     accuracy = {row["mixer"]: row["accuracy"] for row in mqar}
+    over_ridge = {line["model"]: line["over_ridge"] for line in icl}
 
     def num(row: dict, key: str, form: str) -> str:
         return format(float(row[key]), form) if row.get(key) else ""
 
     header = ("arch", "lr", "params", "tokens", "val loss", "val ppl", f"NLL@{seq_len}", "tokens/s",
-              "train time (s)", "MQAR accuracy")
+              "train time (s)", "MQAR accuracy", "ICL excess over ridge")
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for arch in archs:
         row = runs.get(arch, {})
         cells = (arch, num(row, "best lr", "g"), num(row, "params", ",.0f"), num(row, "tokens", ",.0f"),
                  num(row, "val loss", ".3f"), num(row, "val ppl", ".1f"), num(row, f"NLL@{seq_len}", ".3f"),
                  num(row, "tokens/s", ",.0f"), num(row, "wall time (s)", ".0f"),
-                 f"{accuracy[arch]:.1%}" if arch in accuracy else "")
+                 f"{accuracy[arch]:.1%}" if arch in accuracy else "",
+                 f"{over_ridge[arch]:+.0%}" if arch in over_ridge else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: float = 4.5e5, seq_len: int = 128,
                  global_batch: int = 16, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
-                 steps: int | None = None, mqar_steps: int | None = None, eval_windows: int | None = None,
-                 archs: list[str] | None = None) -> dict:
+                 steps: int | None = None, mqar_steps: int | None = None, icl_steps: int | None = None,
+                 eval_windows: int | None = None, archs: list[str] | None = None) -> dict:
     """Every mixer and the paper's hybrids at matched parameters on the bundled corpus, every mixer on MQAR, then the
     report (docs/compare-demo.md has its time on 2 CPU cores).
 
@@ -192,6 +205,7 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         workers: Jobs run at once, each in its own process with cpu_count / workers threads.
         steps: Optimizer steps of every run instead of --tokens (a few for a quick check).
         mqar_steps: MQAR training steps of every mixer (default: each mixer's `mqar_steps`).
+        icl_steps: Training steps of each in-context regression model (default: `lm eval icl --quick`'s).
         eval_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
         archs: Architectures as `lm compare plan --archs` takes them (default: every mixer and the MesaNet paper's
             hybrids); MQAR runs their mixers.
@@ -203,7 +217,8 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     if params <= 0 or tokens <= 0:
         raise UserError("--params and --tokens must be positive")
     for name, value in (("seq_len", seq_len), ("global_batch", global_batch), ("workers", workers),
-                        ("steps", steps), ("mqar_steps", mqar_steps), ("eval_windows", eval_windows)):
+                        ("steps", steps), ("mqar_steps", mqar_steps), ("icl_steps", icl_steps),
+                        ("eval_windows", eval_windows)):
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
     out_dir = Path(out)
@@ -236,28 +251,31 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         log = logs / f"{row['arch']}.log"
         run_overrides = ["--run_dir", str(out_dir / "runs" / row["arch"]), *overrides]
         jobs[row["arch"]] = (train_and_evaluate, (row["configs"][0], run_overrides, log, threads, eval_windows), log)
-    # Costliest first: runs by training FLOPs per token (a proxy), with the MQAR jobs (each mixer's in one of two, to
-    # share them between the workers) after the costliest run.
+    # Costliest first: runs by training FLOPs per token (a proxy), with the probes (MQAR with each mixer's in one of
+    # two jobs, to share them between the workers; the regression in a third) after the costliest run.
     by_cost = sorted(planned["archs"], key=lambda row: -row["train_flops_per_token"])
-    mqar_jobs = {}
+    probe_jobs = {}
     for part in range(min(2, len(mixers))):
         name, log = f"mqar-{part + 1}", logs / f"mqar-{part + 1}.log"
-        mqar_jobs[name] = (mqar_job, (mixers[part::2], mqar_steps, log, threads), log)
-    order = [by_cost[0]["arch"], *mqar_jobs, *(row["arch"] for row in by_cost[1:])]
-    jobs.update(mqar_jobs)
-    print(f"lm compare demo: {len(labels)} runs of {trained:,} tokens and MQAR, {workers} at a time with {threads} "
-          f"thread(s) each; logs in {logs}", file=sys.stderr)
+        probe_jobs[name] = (mqar_job, (mixers[part::2], mqar_steps, log, threads), log)
+    probe_jobs["icl"] = (icl_job, (mixers, icl_steps, out_dir / "icl", logs / "icl.log", threads), logs / "icl.log")
+    order = [by_cost[0]["arch"], *probe_jobs, *(row["arch"] for row in by_cost[1:])]
+    jobs.update(probe_jobs)
+    print(f"lm compare demo: {len(labels)} runs of {trained:,} tokens and the probes, {workers} at a time with "
+          f"{threads} thread(s) each; logs in {logs}", file=sys.stderr)
     results = run_jobs({name: jobs[name] for name in order}, workers)
 
-    mqar_rows = {row["mixer"]: row for name in mqar_jobs for row in results[name]["rows"]}
+    mqar_rows = {row["mixer"]: row for name in probe_jobs if name.startswith("mqar") for row in results[name]["rows"]}
     mqar = [mqar_rows[m] for m in mixers]
     (out_dir / "mqar.json").write_text(json.dumps(mqar, indent=2))
     report_dir = report([str(out_dir / "runs" / arch) for arch in labels], out=str(out_dir / "report"),
                         positions=[seq_len // 8, seq_len // 2, seq_len],
                         title=f"lm compare demo: {len(labels)} architectures at {params / 1e6:g}M parameters, "
                               f"{trained:,} tokens each",
-                        tables={"MQAR recall (lm eval mqar)": str(write_mqar(out_dir, mqar))})
-    table = summary_table(report_dir / "report.csv", mqar, seq_len, ["+".join(pattern) for pattern in patterns])
+                        tables={"MQAR recall (lm eval mqar)": str(write_mqar(out_dir, mqar))},
+                        icl=str(out_dir / "icl"))
+    icl = json.loads((out_dir / "icl" / "icl.json").read_text())["summary"]
+    table = summary_table(report_dir / "report.csv", mqar, icl, seq_len, ["+".join(pattern) for pattern in patterns])
     wall = time.perf_counter() - start
     (out_dir / "summary.md").write_text(table)
     print(f"\n{table}\nlm compare demo: {wall:.0f} s ({wall / 60:.1f} min) in all; report: "

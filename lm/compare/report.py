@@ -3,6 +3,7 @@
 lr grid, plots, as report.md + report.csv + lr_grid.csv + PNGs + one self-contained report.html."""
 
 import csv
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,8 +118,25 @@ def read_table(path: str) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[1:]
 
 
+def probe_sections(icl: str | None, mqar_grid: str | None) -> list[tuple[str, tuple, list[Path]]]:
+    """(heading, (header, rows), images) of each probe's output folder given, read before anything is written."""
+    sections = []
+    if icl:
+        from eval.icl import report_section
+
+        header, rows, images = report_section(icl)
+        sections.append(("In-context linear regression (lm eval icl)", (header, rows), images))
+    if mqar_grid:
+        from eval.mqar_grid import report_section
+
+        header, rows, images = report_section(mqar_grid)
+        sections.append(("MQAR grid: accuracy against state size (lm eval mqar-grid)", (header, rows), images))
+    return sections
+
+
 def report(runs: list[str], out: str = "reports/compare", positions: list[int] = [64, 512, 2048],  # noqa: B006
-           title: str = "Architecture comparison", tables: dict[str, str] | None = None) -> Path:
+           title: str = "Architecture comparison", tables: dict[str, str] | None = None, icl: str | None = None,
+           mqar_grid: str | None = None) -> Path:
     """Compare training runs: the best-lr run of each architecture, the lr grid, plots and one HTML page.
 
     Args:
@@ -128,6 +146,8 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
         title: Heading of the report.
         tables: Further tables, heading -> CSV file (such as `lm compare demo`'s MQAR results), shown as they are
             after the lr grid in report.md and report.html.
+        icl: An `lm eval icl` output folder: its table and loss-by-position figure as a section.
+        mqar_grid: An `lm eval mqar-grid` output folder: its table and accuracy-against-state-size figure.
     """
     from lm.compare.html import html_page, html_table
     from lm.compare.plots import draw_plots
@@ -137,6 +157,8 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
     for path in runs:
         check_run_dir(path)  # every path before the slow reading, so a typo fails at once
     extra = {heading: read_table(path) for heading, path in (tables or {}).items()}
+    probes = probe_sections(icl, mqar_grid)
+    extra.update({heading: cells for heading, cells, _ in probes})
     results = [read_run(path) for path in dict.fromkeys(runs)]
     groups = group_runs(results)
     out_dir = Path(out)
@@ -149,6 +171,10 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
     write_csv(out_dir / "lr_grid.csv", grid_header, grid_values)
     main_shown, grid_shown = shown_rows(columns, main_values), shown_rows(GRID_COLUMNS, grid_values)
     images = draw_plots(groups, out_dir)
+    for heading, _, pngs in probes:  # copied beside the report, which refers to its images by name
+        for png in pngs:
+            shutil.copyfile(png, out_dir / png.name)
+            images.append((heading, png.name))
     intro = (f"{len(results)} runs, {len(groups)} architectures; each architecture's best learning rate picked by "
              f"the final validation loss (mean over seeds).")
     (out_dir / "report.md").write_text(

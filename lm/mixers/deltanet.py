@@ -19,7 +19,8 @@ class DeltaNet(Mixer):
     """DeltaNet mixer (flash-linear-attention's layer). q, k, v projections, each through a short causal conv +
     SiLU; q and k L2-normalised per head; beta = sigmoid(W_beta x) per head; the delta rule
     S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t / sqrt(K); a per-head RMSNorm times
-    silu(W_g x) (output gate); the output projection.
+    silu(W_g x) (output gate); the output projection. conv_size 0, qk_norm false and output_norm false leave out
+    the convs, the L2 normalisation and the RMSNorm (the gate stays).
 
     Key size K = head_dim, value size V = expand_v * head_dim per head.
 
@@ -34,11 +35,15 @@ class DeltaNet(Mixer):
     class Options:
         expand_v: float = 1.0
         conv_size: int = 4
+        qk_norm: bool = True
+        output_norm: bool = True
         chunk_size: int = 64
         backend: str = "auto"
 
     gated = False
     mqar_steps = 300
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"conv_size": 0, "qk_norm": False, "output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -53,7 +58,7 @@ class DeltaNet(Mixer):
         self.b_proj = nn.Linear(d_model, n_heads, bias=False)
         self.q_conv, self.k_conv = ShortConv(hk, o.conv_size), ShortConv(hk, o.conv_size)
         self.v_conv = ShortConv(hv, o.conv_size)
-        self.norm = GatedRMSNorm(self.value_dim)
+        self.norm = GatedRMSNorm(self.value_dim, normalize=o.output_norm)
         self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.b_proj.weight)
         if self.gated:  # Gated DeltaNet's decay: alpha = exp(-exp(A_log) * softplus(a + dt_bias))
@@ -81,8 +86,9 @@ class DeltaNet(Mixer):
         q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"))
         k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"))
         v, v_state = self.v_conv(self.v_proj(x), state.get("v_conv"))
-        q = F.normalize(q.view(B, T, self.n_heads, self.key_dim), dim=-1)
-        k = F.normalize(k.view(B, T, self.n_heads, self.key_dim), dim=-1)
+        q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
+        if self.options.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         v = v.view(B, T, self.n_heads, self.value_dim)
         beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))
         recurrent = T == 1 and "memory" in state

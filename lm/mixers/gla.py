@@ -44,6 +44,7 @@ class GLA(Mixer):
         gate_rank: int = 16
         gate_temperature: float = 16.0
         conv_size: int = 0
+        output_norm: bool = True  # false: o * w * silu(W_r x), without the per-head RMSNorm
         chunk_size: int = 64
         sub_chunk: int = 8  # the op's secondary chunks (GLA's paper; the speed trade-off in docs/performance.md)
         backend: str = "auto"
@@ -52,6 +53,8 @@ class GLA(Mixer):
     mqar_steps = 300
     # fla's short convolution: the paper's block (none) learns this MQAR for one seed in three (docs/mqar.md).
     mqar_options = {"conv_size": 4}
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -68,7 +71,7 @@ class GLA(Mixer):
         self.decay_up = nn.Linear(o.gate_rank, hk)
         self.convs = nn.ModuleDict({name: ShortConv(width, o.conv_size) for name, width in
                                     (("q_conv", hk), ("k_conv", hk), ("v_conv", hv))} if o.conv_size > 0 else {})
-        self.norm = GatedRMSNorm(self.value_dim)
+        self.norm = GatedRMSNorm(self.value_dim, normalize=o.output_norm)
         self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:

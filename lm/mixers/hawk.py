@@ -50,11 +50,13 @@ class Hawk(Mixer):
     @dataclass
     class Options:
         expand: float = 4 / 3  # Griffin's D_RNN = 4 D / 3
-        conv_size: int = 4
+        conv_size: int = 4  # 0: none
         c: float = 8.0
         chunk_size: int = 64
         backend: str = "auto"
 
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"conv_size": 0}
     mqar_steps = 1000  # 94% after 1000 steps, 97% after 2000: its state is one vector per layer (docs/mqar.md)
 
     @staticmethod

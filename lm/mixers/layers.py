@@ -9,19 +9,25 @@ from torch import nn
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal 1-D convolution over time (width `size`, no bias) with an optional SiLU.
+    """Depthwise causal 1-D convolution over time (width `size`, no bias) with an optional SiLU; size 0 is none at
+    all (the identity, no activation either: the seed papers' minimal block).
 
-    State: the last size - 1 inputs [B, size - 1, channels], so a sequence can be fed in pieces.
+    State: the last size - 1 inputs [B, size - 1, channels], so a sequence can be fed in pieces (None for size 0).
     Parameters: channels * size.
     """
 
     def __init__(self, channels: int, size: int = 4, activation: bool = True):
         super().__init__()
+        if size < 0:
+            raise ValueError(f"conv_size must be 0 (none) or more, got {size}")
         self.size, self.activation = size, activation
-        self.weight = nn.Parameter(torch.empty(channels, 1, size))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.weight = nn.Parameter(torch.empty(channels, 1, size)) if size else None
+        if size:
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+        if self.weight is None:
+            return x, None
         if state is None:
             state = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
         padded = torch.cat([state, x], dim=1)  # [B, size - 1 + T, C]
@@ -31,17 +37,31 @@ class ShortConv(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over the last dim of x, times silu(gate): y = norm(x) * w * silu(gate) (fla's FusedRMSNormGated).
-    With `gate_first`, Mamba2's order: norm(x * silu(gate)) * w. Parameters: dim."""
+    With `gate_first`, Mamba2's order: norm(x * silu(gate)) * w. With `normalize=False` the norm is left out,
+    x * w * silu(gate), which keeps the scale of x (a mixer's `output_norm: false`). Parameters: dim."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, gate_first: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, gate_first: bool = False, normalize: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.gate_first = eps, gate_first
+        self.eps, self.gate_first, self.normalize = eps, gate_first, normalize
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if not self.normalize:
+            return x * self.weight * F.silu(gate)
         if self.gate_first:
             return F.rms_norm(x * F.silu(gate), (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) * F.silu(gate)
+
+
+class Gain(nn.Module):
+    """x * w per channel: an RMSNorm's weight without the norm (a mixer's `output_norm: false`). Parameters: dim."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
 
 
 def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1) -> None:

@@ -35,11 +35,14 @@ class Mamba2(Mixer):
     class Options:
         expand: float = 2.0
         n_groups: int = 1
-        conv_size: int = 4
+        conv_size: int = 4  # 0: none
+        output_norm: bool = True  # false: y * silu(z) * w, without the RMSNorm
         chunk_size: int = 64
         backend: str = "auto"
 
     mqar_steps = 1000  # binds a key to its value slowly: 94% after 600 steps, 99.8% after 1000 (docs/mqar.md)
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"conv_size": 0, "output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -56,7 +59,7 @@ class Mamba2(Mixer):
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.dt_bias = nn.Parameter(torch.empty(n_heads))
         self.D = nn.Parameter(torch.empty(n_heads))
-        self.norm = GatedRMSNorm(inner, gate_first=True)
+        self.norm = GatedRMSNorm(inner, gate_first=True, normalize=o.output_norm)
         self.out_proj = residual_output(nn.Linear(inner, d_model, bias=False))
         no_weight_decay(self.A_log, self.dt_bias, self.D)
         self.reset_mixer_parameters()

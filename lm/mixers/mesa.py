@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import GatedRMSNorm, ShortConv, no_weight_decay, residual_output
+from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, residual_output
 from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
@@ -36,8 +36,9 @@ class Mesa(Mixer):
     gamma cap gamma * (1 - (1 - gamma_cap) * beta^2) against runs of repeated tokens; Lambda = lam_floor +
     softplus(lam_raw) per head and key dim, initialised to 1; the Mesa op (lm.ops.mesa, CG with cg_steps in
     training and cg_steps_eval in evaluation); a per-head RMSNorm, times silu(W_g x) with output_gate; the
-    output projection. `metrics()` reports the last call's solve (and, after a backward, its adjoint solve), Lambda,
-    gamma and beta.
+    output projection. conv_size 0, qk_norm false and output_norm false leave out the convs, the L2 normalisation
+    and the RMSNorm (with output_gate, the gate stays). `metrics()` reports the last call's solve (and, after a
+    backward, its adjoint solve), Lambda, gamma and beta.
 
     gamma_init sets the gate biases, i.e. each head's memory 1 / (1 - gamma) at the start: "spread" (the default,
     chosen by `lm bench mesa-ablation`, docs/mesa.md), log-spaced from 2 to 512 tokens across heads; "narrow", 20 to
@@ -61,6 +62,8 @@ class Mesa(Mixer):
         expand_v: float = 1.0
         conv_size: int = 4
         conv_v: bool = False
+        qk_norm: bool = True
+        output_norm: bool = True
         cg_steps: int = 30
         cg_steps_eval: int | None = None
         cg_tol: float | None = None
@@ -75,6 +78,10 @@ class Mesa(Mixer):
     # Rows of `lm bench mixer` besides the default (30 CG steps): fewer steps, and 30 that stop at a tolerance.
     bench_variants = {"cg 0": {"cg_steps": 0}, "cg 5": {"cg_steps": 5}, "cg 10": {"cg_steps": 10},
                       "tol 1e-4": {"cg_tol": 1e-4}}
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"conv_size": 0, "qk_norm": False, "output_norm": False}
+    # Mesa without its solve (o_t = G_t q_t) is gated linear attention: one such layer should do one GD step.
+    probe_variants = {"mesa, cg 0": {"cg_steps": 0}}
     bench_reference = "gated_deltanet"  # the fastest exact-memory rule, the cost Mesa's solve adds is against it
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
@@ -95,7 +102,10 @@ class Mesa(Mixer):
         self.q_conv, self.k_conv = ShortConv(hk, conv_size), ShortConv(hk, conv_size)
         self.v_conv = ShortConv(hv, conv_size) if conv_v else None
         self.lam_raw = nn.Parameter(torch.empty(n_heads, self.key_dim))
-        self.norm = GatedRMSNorm(self.value_dim) if output_gate else nn.RMSNorm(self.value_dim, eps=1e-6)
+        if output_gate:
+            self.norm = GatedRMSNorm(self.value_dim, normalize=o.output_norm)
+        else:  # with output_norm false, the weight alone (a per-channel gain, same parameters)
+            self.norm = nn.RMSNorm(self.value_dim, eps=1e-6) if o.output_norm else Gain(self.value_dim)
         self.g_proj = nn.Linear(d_model, hv, bias=False) if output_gate else None
         self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
@@ -130,8 +140,9 @@ class Mesa(Mixer):
         v, v_state = self.v_proj(x), None
         if self.v_conv is not None:
             v, v_state = self.v_conv(v, state.get("v_conv"))
-        q = F.normalize(q.view(B, T, self.n_heads, self.key_dim), dim=-1)
-        k = F.normalize(k.view(B, T, self.n_heads, self.key_dim), dim=-1)
+        q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
+        if self.options.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         v = v.view(B, T, self.n_heads, self.value_dim)
         log_gamma, beta = self.gates(x)
         steps = self.cg_steps if self.training or self.cg_steps_eval is None else self.cg_steps_eval

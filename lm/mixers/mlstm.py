@@ -47,6 +47,7 @@ class MLSTM(Mixer):
         gate_soft_cap: float | None = 15.0
         eps: float = 1e-6
         conv_size: int = 0
+        output_norm: bool = True  # false: the cell's output times the norm's weight, without the RMSNorm
         chunk_size: int = 64
         backend: str = "auto"
 
@@ -55,6 +56,8 @@ class MLSTM(Mixer):
     # The short convolution of the first xLSTM paper's block: xLSTM 7B's block (the default, no convolution) stays
     # near 35% on MQAR, with it 96-99% (docs/mqar.md).
     mqar_options = {"conv_size": 4}
+    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
+    minimal_options = {"output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -99,7 +102,9 @@ class MLSTM(Mixer):
         else:
             h, new_state["cell"] = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state.get("cell"),
                                          chunk_size=self.chunk_size, backend=self.backend)
-        h = F.rms_norm(h, (self.v_head,), eps=1e-6).reshape(B, T, -1) * self.norm_weight
+        if self.options.output_norm:
+            h = F.rms_norm(h, (self.v_head,), eps=1e-6)
+        h = h.reshape(B, T, -1) * self.norm_weight
         return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
 
     @classmethod

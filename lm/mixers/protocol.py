@@ -98,6 +98,12 @@ class Mixer(nn.Module):
     """Extra rows of `lm bench mixer`: a label -> the options that differ (e.g. Mesa's CG steps)."""
     bench_reference: str | None = None
     """A mixer whose chunkwise time `lm bench mixer` divides this one's by (Mesa: Gated DeltaNet)."""
+    minimal_options: dict = {}
+    """The options that make the seed papers' minimal layer for `lm eval icl`: whichever of a short convolution,
+    q/k normalisation and an output norm the mixer has, turned off."""
+    probe_variants: dict[str, dict] = {}
+    """Further models of `lm eval icl`: a label -> the options that differ (Mesa with 0 CG steps is linear
+    attention, whose one layer is expected on the one-step-GD curve)."""
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__()

@@ -1,0 +1,125 @@
+"""In-context linear regression (`lm eval icl`): the closed-form references against Monte-Carlo estimates of the
+predictors themselves, and a quick run in which one Mesa layer solves the regression and linear attention does not."""
+
+import csv
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eval.icl import (
+    RegressionTask,
+    gd_predictions,
+    gd_step_size,
+    icl,
+    reference_curves,
+    regression_batch,
+    ridge_predictions,
+)
+
+TASK = RegressionTask(x_dim=4, length=14, noise=0.5)
+
+
+@pytest.fixture(scope="module")
+def sample():
+    """50,000 sequences in float64: (x, y)."""
+    _, x, y = regression_batch(TASK, 50_000, torch.Generator().manual_seed(1), dtype=torch.float64)
+    return x, y
+
+
+def monte_carlo(prediction: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MSE per position, its standard error)."""
+    errors = ((prediction - y) ** 2).mean(-1)
+    return errors.mean(0), errors.std(0) / errors.shape[0] ** 0.5
+
+
+def test_tokens_carry_the_input_and_the_pair_before():
+    tokens, x, y = regression_batch(TASK, 3, torch.Generator().manual_seed(0))
+    assert tokens.shape == (3, TASK.length, 2 * TASK.x_dim + 1)
+    torch.testing.assert_close(tokens[:, :, :4], x)
+    torch.testing.assert_close(tokens[:, 1:, 4:8], x[:, :-1])
+    torch.testing.assert_close(tokens[:, 1:, 8:], y[:, :-1])
+    assert (tokens[:, 0, 4:] == 0).all()
+    shifted, _, _ = regression_batch(RegressionTask(x_dim=4, length=14, noise=0.5, token="shifted"), 3,
+                                     torch.Generator().manual_seed(0))
+    torch.testing.assert_close(shifted, tokens[:, :, [0, 1, 2, 3, 8]])
+
+
+def test_ridge_and_least_squares_curves_match_monte_carlo(sample):
+    x, y = sample
+    curves = reference_curves(TASK, input_draws=20_000, seed=2)
+    mse, se = monte_carlo(ridge_predictions(x, y, TASK.noise**2), y)
+    assert ((mse - curves["ridge"]).abs() < 4 * se + 0.01 * curves["ridge"]).all(), (mse, curves["ridge"])
+    # A ridge at the wrong lambda is worse, and the Monte-Carlo estimate can tell.
+    assert (monte_carlo(ridge_predictions(x, y, 4 * TASK.noise**2), y)[0][4:] > curves["ridge"][4:] + 4 * se[4:]).all()
+    defined = torch.arange(TASK.length) >= TASK.x_dim + 4  # finite variance of the estimate, not only of the loss
+    mse, se = monte_carlo(ridge_predictions(x, y, 0.0), y)
+    assert ((mse - curves["least_squares"]).abs() < 4 * se + 0.02 * curves["least_squares"])[defined].all()
+
+
+def test_gd_curve_matches_monte_carlo_and_its_step_size_is_the_best_on_a_fine_grid(sample):
+    x, y = sample
+    curves, eta = reference_curves(TASK), gd_step_size(TASK)
+    mse, se = monte_carlo(gd_predictions(x, y, eta), y)
+    assert ((mse - curves["gd"]).abs() < 4 * se + 0.005).all(), (mse, curves["gd"])
+    factors = torch.linspace(0.7, 1.3, 61)  # steps of 1%
+    step = gd_predictions(x, y, eta)  # the prediction is linear in the step size
+    losses = torch.stack([monte_carlo(f * step, y)[0] for f in factors])  # [grid, T]
+    best = factors[losses[:, 1:].argmin(0)]  # position 0 has seen nothing: every step size predicts 0
+    assert ((best - 1).abs() <= 0.03).all(), best
+
+
+def test_zero_context_position_equals_the_prior_loss(sample):
+    x, y = sample
+    prior = 1 + TASK.noise**2  # E|W x|^2 per output = E|x|^2 = 1, plus the noise
+    curves = reference_curves(TASK)
+    for name in ("ridge", "gd", "zero"):
+        assert curves[name][0].item() == pytest.approx(prior, rel=1e-12)
+    mse, se = monte_carlo(torch.zeros_like(y), y)
+    assert abs(mse[0] - prior) < 4 * se[0]
+    assert torch.isnan(curves["least_squares"][: TASK.x_dim + 2]).all()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("icl")
+    rows = icl(mixers=["mesa"], quick=True, out=str(out))
+    return out, {row["label"]: row for row in rows}
+
+
+def test_one_mesa_layer_solves_the_regression_and_linear_attention_takes_one_gd_step(quick_run):
+    out, rows = quick_run
+    task = RegressionTask(x_dim=5, length=20)  # quick's task
+    curves = reference_curves(task)
+    late = slice(task.x_dim, None)
+    mesa, linear = (torch.tensor(rows[label]["mse"], dtype=torch.float64)[late] for label in ("mesa", "mesa, cg 0"))
+    ridge, gd = curves["ridge"][late], curves["gd"][late]
+    assert ((mesa - ridge) / ridge).mean() < 0.25, mesa / ridge
+    assert (mesa < gd).all()
+    # Linear attention cannot beat one GD step by much (it is one GD step with a learned preconditioner).
+    assert ((linear - gd) / gd).mean() > -0.15, linear / gd
+    assert (linear > mesa).all()
+    with open(out / "icl.csv") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["pairs seen", "ridge", "gd", "least_squares", "zero", "mesa (minimal, 1L)",
+                        "mesa, cg 0 (minimal, 1L)"]
+    assert len(table) == 1 + task.length
+    assert (out / "icl.png").stat().st_size > 10_000 and "excess over ridge" in (out / "icl.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mixers", "[nomixer]"], "unknown mixers"),
+    (["--blocks", "[tiny]"], "blocks"),
+    (["--noise", "0"], "noise > 0"),
+    (["--eval_sequences", "8"], "at least batch"),
+    (["--out", "FILE"], "is a file"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    result = subprocess.run([sys.executable, "-m", "lm.cli", "eval", "icl", *args, "--quick", "true"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "reports").exists()
