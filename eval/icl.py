@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.errors import UserError
-from lm.mixers import MIXERS, MixerOptionError
+from lm.mixers import MIXERS
+from lm.model import Block, LMConfig
 
 Token = Literal["paired", "shifted"]
 BlockKind = Literal["minimal", "lm"]
@@ -137,8 +138,6 @@ class RegressionModel(nn.Module):
     def __init__(self, task: RegressionTask, mixer: str, options: dict, block: BlockKind, n_layers: int,
                  d_model: int, n_heads: int, head_dim: int):
         super().__init__()
-        from lm.model import Block, LMConfig
-
         self.read_in = nn.Linear(task.token_dim, d_model)
         if block == "lm":
             cfg = LMConfig(vocab_size=1, d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
@@ -237,13 +236,9 @@ def check_args(mixers, blocks, layers, seeds, mixer_options, task: RegressionTas
                         f"at least batch")
     if Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"--out {out} is a file, not a directory")
-    for job in model_jobs(mixers, blocks, [1], seeds[:1], mixer_options):
-        try:
-            MIXERS[job.mixer].check_options(job.options)
-            with torch.device("meta"):
-                MIXERS[job.mixer](d_model, n_heads, head_dim, 0, **job.options)
-        except (MixerOptionError, ValueError) as err:
-            raise UserError(f"{job.label} ({job.block} block): {err}") from None
+    for job in model_jobs(mixers, blocks, [1], seeds[:1], mixer_options):  # LMConfig checks a mixer's options
+        LMConfig(vocab_size=1, d_model=d_model, n_layers=1, n_heads=n_heads, head_dim=head_dim, mixer=job.mixer,
+                 mixer_options={job.mixer: job.options})
 
 
 def run_jobs(jobs: list[Job], processes: int, **train_args) -> list[dict]:
@@ -412,7 +407,5 @@ def report_section(directory: str | Path) -> tuple[list[str], list[list[str]], l
         lines = json.loads((directory / "icl.json").read_text())["summary"]
     except (json.JSONDecodeError, KeyError) as err:
         raise UserError(f"{directory / 'icl.json'} is not lm eval icl's output ({err})") from None
-    for line in lines:
-        line["over_ridge_range"] = tuple(line["over_ridge_range"])
     header, rows = summary_table(lines)
     return header, rows, [png for png in [directory / "icl.png"] if png.is_file()]
