@@ -3,6 +3,9 @@
 MFU here is the model's analytic training FLOP/s (lm.flops) over the best square-matmul FLOP/s this process
 reaches on the same device, in the same precision: a ratio against measured peak, not a datasheet figure. A
 datasheet peak (`peak_flops`, e.g. 989e12 for an H100/H200 in dense bf16) adds a second MFU column.
+
+`--resets` also times every model with resets at document boundaries (data.reset_at_documents), steps with and
+without resets alternating on the same model and tokens, and reports their ratio: what resetting costs.
 """
 
 import json
@@ -61,16 +64,28 @@ def model_configs(mixers: list[str], d_model: list[int], configs: list[str] | No
             for m in mixers for d in d_model]
 
 
+def packed_windows(vocab_size: int, batch: int, seq_len: int, doc_len: int, device: torch.device) -> torch.Tensor:
+    """Random tokens [batch, seq_len + 1] with the separator (id 0) starting a document every doc_len tokens on
+    average, at random places (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(1, vocab_size, (batch, seq_len + 1), generator=g)
+    windows[torch.rand(batch, seq_len + 1, generator=g) < 1 / doc_len] = 0
+    return windows.to(device)
+
+
 def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int, steps: int, warmup: int,
-                  activation_checkpointing: bool) -> dict:
-    """Tokens/s of full training steps (forward, loss, backward, AdamW step, zero_grad) on random tokens."""
+                  activation_checkpointing: bool, resets: bool = False, doc_len: int = 512) -> dict:
+    """Tokens/s of full training steps (forward, loss, backward, AdamW step, zero_grad) on random tokens. With
+    `resets`, steps with resets at a separator (model.document_separator) alternate with steps without, on the same
+    tokens, and the result adds their tokens/s and the ratio (resets / none)."""
     with device:  # build the weights on the device itself: a 1B model initialised on the CPU takes a while
         model = LanguageModel(cfg)
     model.activation_checkpointing = activation_checkpointing
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    windows = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=device)
+    windows = packed_windows(cfg.vocab_size, batch, seq_len, doc_len, device)
 
-    def train_step():
+    def train_step(separator: int | None):
+        model.cfg.document_separator = separator  # the model reads it at each forward
         # bf16 autocast on CUDA matches the bf16 matmul peak; CPU stays fp32 like its peak.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = next_token_loss(model, windows)
@@ -78,18 +93,26 @@ def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int,
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    settings = (None, 0) if resets else (None,)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
-        train_step()
+        for separator in settings:
+            train_step(separator)
     sync(device)
-    t0 = time.perf_counter()
+    seconds = dict.fromkeys(settings, 0.0)
     for _ in range(steps):
-        train_step()
-    sync(device)
-    tokens_per_s = batch * seq_len * steps / (time.perf_counter() - t0)
+        for separator in settings:  # alternating, so that drifting machine load hits both alike
+            t0 = time.perf_counter()
+            train_step(separator)
+            sync(device)
+            seconds[separator] += time.perf_counter() - t0
+    tokens = batch * seq_len * steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"params": model.num_params(), "tokens_per_s": tokens_per_s, "peak_mem_gib": peak}
+    result = {"params": model.num_params(), "tokens_per_s": tokens / seconds[None], "peak_mem_gib": peak}
+    if resets:
+        result.update(reset_tokens_per_s=tokens / seconds[0], reset_ratio=seconds[None] / seconds[0])
+    return result
 
 
 def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  # noqa: B006
@@ -97,7 +120,7 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
                 n_heads: int | None = None, head_dim: int = 64, vocab_size: int = 8192, batch: int = 8,
                 batch_tokens: int | None = None, steps: int = 10, warmup: int = 2, peak_flops: float | None = None,
                 activation_checkpointing: bool = False, budget_s: float | None = None, threads: int | None = None,
-                json_out: str | None = None) -> dict:
+                resets: bool = False, doc_len: int = 512, json_out: str | None = None) -> dict:
     """Time full training steps of each model at each length on random tokens; report tokens/s and MFU.
 
     Args:
@@ -120,8 +143,13 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
         budget_s: Skip the models and lengths not yet started once this many seconds have passed (rows
             marked "skipped"); None: no limit.
         threads: CPU threads for torch (torch.set_num_threads); None keeps torch's default.
+        resets: Also time every model with resets at document boundaries (steps alternating with plain ones) and
+            report the ratio of their speeds: 0.9 means resetting costs 10%.
+        doc_len: Mean document length of the packed windows that --resets times.
         json_out: Also write the result as JSON to this path.
     """
+    if doc_len < 1:
+        raise UserError(f"--doc_len must be at least 1, got {doc_len}")
     if steps < 1 or warmup < 0 or batch < 1 or min(seq_len, default=0) < 1 or (batch_tokens or 1) < 1:
         raise UserError(f"need steps >= 1, warmup >= 0, batch >= 1, batch_tokens >= 1 and at least one seq_len, "
                         f"all >= 1; got {steps}, {warmup}, {batch}, {batch_tokens}, {seq_len}")
@@ -143,7 +171,7 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
                 row["status"] = "skipped"
                 continue
             try:
-                row.update(time_training(cfg, device, T, b, steps, warmup, activation_checkpointing))
+                row.update(time_training(cfg, device, T, b, steps, warmup, activation_checkpointing, resets, doc_len))
             except torch.OutOfMemoryError:
                 row["status"] = "out of memory"
             if device.type == "cuda":
@@ -157,7 +185,8 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
     result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "steps": steps, "warmup": warmup,
               "matmul_flops_per_s": peak, "peak_flops": peak_flops,
-              "activation_checkpointing": activation_checkpointing, "rows": rows}
+              "activation_checkpointing": activation_checkpointing, "resets": resets, "doc_len": doc_len,
+              "rows": rows}
     print(json.dumps(result, indent=2))
     print_table(result)
     if json_out:
@@ -167,19 +196,21 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
 
 
 def print_table(result: dict) -> None:
-    datasheet = result["peak_flops"] is not None
+    datasheet, resets = result["peak_flops"] is not None, result.get("resets", False)
     print(f"\n{result['device']}, {result['dtype']}, measured matmul peak "
           f"{result['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s" +
           (f", datasheet peak {result['peak_flops'] / 1e12:,.0f} TFLOP/s" if datasheet else ""))
     print("\n| model | params | seq_len | batch | tokens/s | model GFLOP/s | MFU (measured peak) |"
-          + (" MFU (datasheet) |" if datasheet else "") + " peak memory GiB |")
-    print("|---|---|---|---|---|---|---|" + ("---|" if datasheet else "") + "---|")
+          + (" MFU (datasheet) |" if datasheet else "") + " peak memory GiB |"
+          + (" tokens/s with resets | with / without |" if resets else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if datasheet else "") + "---|" + ("---|---|" if resets else ""))
     for r in result["rows"]:
         if r["status"] != "ok":
             print(f"| {r['model']} | – | {r['seq_len']} | {r['batch']} | {r['status']} | | |"
-                  + (" |" if datasheet else "") + " |")
+                  + (" |" if datasheet else "") + " |" + (" | |" if resets else ""))
             continue
         mem = "–" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['seq_len']} | {r['batch']} | {r['tokens_per_s']:,.0f} "
               f"| {r['model_flops_per_s'] / 1e9:,.1f} | {r['mfu']:.1%} |"
-              + (f" {r['mfu_datasheet']:.1%} |" if datasheet else "") + f" {mem} |")
+              + (f" {r['mfu_datasheet']:.1%} |" if datasheet else "") + f" {mem} |"
+              + (f" {r['reset_tokens_per_s']:,.0f} | {r['reset_ratio']:.3f} |" if resets else ""))

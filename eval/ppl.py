@@ -2,6 +2,11 @@
 
 NLL_k is the mean over windows of -log p(token k | the k tokens before it in the window), k = 1..seq_len
 (the MesaNet paper's App. L.1 curve). Windows are the split's consecutive seq_len + 1 token windows.
+
+A model trained with resets (data.reset_at_documents) is evaluated with them, and then position k counts the
+tokens the model has seen of the current document: from the document's separator, or from the window's start for a
+document that began before the window. NLL_k is then the mean over the tokens at position k, however many.
+`--positions document` counts that way for any model (to put a model without resets on the same axis).
 """
 
 import csv
@@ -19,18 +24,34 @@ from eval.wandb_log import log_to_run
 from lm.checkpoint import load_model, run_dir_of
 from lm.data import TokenStream, ValidationWindows
 from lm.errors import UserError
+from lm.mixers.layers import steps_since_reset
 
 
-def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tuple[np.ndarray, int, dict]:
-    """(mean NLL at each of the seq_len positions in float64, number of windows, the mixers' own statistics over the
-    batches: `LanguageModel.mixer_metrics`, averaged, or the max for names ending in "_max")."""
-    total, count, reported = None, 0, {}
+def positions_in_documents(inputs: torch.Tensor, separator: int | None) -> torch.Tensor:
+    """[B, T] 0-based position of each input token in what the model sees of its document: the position in the window
+    without resets; with them, the steps since the last separator, or since the window's start before the first."""
+    T = inputs.shape[1]
+    in_window = torch.arange(T).expand_as(inputs)
+    if separator is None:
+        return in_window
+    return torch.minimum(steps_since_reset(inputs == separator), in_window)
+
+
+def per_position_nll(model, windows: ValidationWindows, batch_size: int,
+                     separator: int | None = None) -> tuple[np.ndarray, np.ndarray, int, dict]:
+    """(summed NLL at each of the seq_len positions in float64, tokens at each position, number of windows, the
+    mixers' own statistics over the batches: `LanguageModel.mixer_metrics`, averaged, or the max for names ending in
+    "_max"). Positions are `positions_in_documents` with `separator` (None: positions in the window)."""
+    T = windows.seq_len
+    total, tokens, count, reported = torch.zeros(T, dtype=torch.float64), torch.zeros(T, dtype=torch.long), 0, {}
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))])
             logits, _ = model(batch[:, :-1])
             nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
-            total = nll.sum(0).double() if total is None else total + nll.sum(0).double()
+            positions = positions_in_documents(batch[:, :-1], separator).flatten()
+            total.index_add_(0, positions, nll.flatten().double())
+            tokens.index_add_(0, positions, torch.ones_like(positions))
             count += batch.shape[0]
             for name, value in model.mixer_metrics().items():
                 reported.setdefault(name, []).append(value)
@@ -38,7 +59,7 @@ def per_position_nll(model, windows: ValidationWindows, batch_size: int) -> tupl
         raise UserError("no evaluation window: the split has fewer than seq_len + 1 tokens")
     metrics = {name: float(torch.stack(values).amax() if name.endswith("_max") else torch.stack(values).mean())
                for name, values in reported.items()}
-    return (total / count).numpy(), count, metrics
+    return total.numpy(), tokens.numpy(), count, metrics
 
 
 def log_spaced_positions(seq_len: int, n: int = 48) -> list[int]:
@@ -111,7 +132,8 @@ def plot_difference(rows: list[dict], path: Path, title: str) -> None:
 
 def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
                  max_windows: int | None = None, batch_size: int = 8, out: str | None = None,
-                 multiples: list[int] = [1], reference: str | None = None) -> dict:  # noqa: B006
+                 multiples: list[int] = [1], reference: str | None = None,  # noqa: B006
+                 positions: str | None = None) -> dict:
     """Perplexity of a checkpoint, overall and by position; writes ppl.json, per_position.csv and .png.
 
     Args:
@@ -125,6 +147,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         multiples: Also evaluate at these multiples of seq_len ([1, 2, 4]: length extrapolation).
         reference: Another run's `lm eval ppl` output (folder or per_position.csv) at the same length: adds the
             per-position NLL difference to it (CSV column and per_position_vs_reference.png).
+        positions: "window" (position in the window) or "document" (from each document's separator, or the window's
+            start); default: "document" for a model trained with resets, else "window".
     """
     model, hparams = load_model(checkpoint)
     run_dir = run_dir_of(checkpoint)
@@ -135,21 +159,29 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         raise UserError("no data directory: pass --data")
     if not multiples or any(m < 1 for m in multiples):
         raise UserError(f"--multiples must be positive integers, not {multiples}")
+    resets = model.cfg.document_separator is not None
+    positions = positions or ("document" if resets else "window")
+    if positions not in ("window", "document"):
+        raise UserError(f"--positions must be 'window' or 'document', not {positions!r}")
     stream = TokenStream(data, split, verify=False)
+    separator = stream.manifest["tokenizer"].get("sep_id") if positions == "document" else None
+    if positions == "document" and separator is None:
+        raise UserError(f"--positions document: {data}/manifest.json names no separator id")
     check_tokenizer(run_dir, data, stream.manifest, hparams["model"]["vocab_size"])
     ref_curve = read_curve(reference) if reference else None
     by_length = {}
     for multiple in multiples:
         length = seq_len * multiple
-        nll, n_windows, mixer_metrics = per_position_nll(model, ValidationWindows(stream, length, max_windows),
-                                                         batch_size)
-        running = np.cumsum(nll) / np.arange(1, len(nll) + 1)
-        rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1])}
-                for k in log_spaced_positions(length)]
-        loss = float(nll.mean())
+        sums, tokens, n_windows, mixer_metrics = per_position_nll(
+            model, ValidationWindows(stream, length, max_windows), batch_size, separator)
+        with np.errstate(invalid="ignore"):  # a position no token reached (with resets) is NaN
+            nll, running = sums / tokens, np.cumsum(sums) / np.cumsum(tokens)
+        rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1]),
+                 "tokens": int(tokens[k - 1])} for k in log_spaced_positions(length)]
+        loss = float(sums.sum() / tokens.sum())
         result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": length,
                   "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
-                  "ppl": math.exp(loss)}
+                  "ppl": math.exp(loss), "reset_at_documents": resets, "positions": positions}
         if mixer_metrics:
             result["mixer_metrics"] = mixer_metrics
         name = f"ppl-{split}-T{length}"

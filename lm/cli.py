@@ -44,6 +44,7 @@ COMMANDS = {
     "compare plan": "lm.compare.plan:plan",
     "compare report": "lm.compare.report:report_from_args",
     "compare demo": "lm.compare.demo:compare_demo",
+    "compare documents": "lm.compare.documents:compare_documents",
     "demo": "lm.demo:demo",
 }
 # These parse their own argv (a run config; options followed by `--` and a command; a list of run directories).
@@ -79,6 +80,7 @@ commands:
   compare plan  shapes matched in parameters or FLOPs, tokens per budget, configs + a sweep per lr and seed
   compare report  runs side by side (best lr per architecture): report.md, report.csv, PNG plots, report.html
   compare demo  the showcase on CPU (under 20 min): every mixer and Hawk-Mesa at matched parameters, corpus + MQAR
+  compare documents  mixers trained with and without resets at document boundaries: val ppl, NLL by document position
   demo         the embedded default: prepare the bundled corpus, train a tiny model on CPU, evaluate
 """
 

@@ -119,6 +119,10 @@ class DataConfig:
         seed: Seed of the window order.
         val_windows: Validation windows evaluated each time (None: all of them).
         verify: Check every shard's sha256 against the manifest when loading.
+        reset_at_documents: Start every document of a window from an empty state (every mixer's state, conv buffers
+            and KV cache cleared at the separator, attention masked block-diagonally, RoPE positions from the
+            document's start). Off by default, as in the MesaNet paper's recipe. The model keeps it (as
+            ``model.document_separator``), so evaluation and generation reset alike.
     """
 
     path: str = "data/prepared"
@@ -130,6 +134,7 @@ class DataConfig:
     seed: int = 0
     val_windows: int | None = 256
     verify: bool = True
+    reset_at_documents: bool = False
 
 
 class TokenDataModule(L.LightningDataModule):

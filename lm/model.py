@@ -33,6 +33,9 @@ class LMConfig:
         max_seq_len: Longest training sequence the model is meant for.
         norm_eps: Epsilon of the RMSNorms.
         init_std: Standard deviation of the normal initialisation.
+        document_separator: The token id that starts every document (the data's separator), when the model resets
+            every mixer's state there (documents packed in one row see nothing of each other); None: no resets.
+            ``lm train`` sets it from ``data.reset_at_documents``; evaluation and generation then reset alike.
     """
 
     vocab_size: int = 50304
@@ -49,11 +52,15 @@ class LMConfig:
     max_seq_len: int = 2048
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    document_separator: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UserError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.document_separator is not None and not 0 <= self.document_separator < self.vocab_size:
+            raise UserError(f"model.document_separator {self.document_separator} is not a token id below vocab_size "
+                            f"{self.vocab_size}")
         for name in sorted(set(self.layer_mixers()) | set(self.mixer_options)):
             if name not in MIXERS:
                 raise UserError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
@@ -103,8 +110,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
-    def forward(self, x, state=None):
-        y, state = self.mixer(self.mixer_norm(x), state)
+    def forward(self, x, state=None, reset=None):
+        y, state = self.mixer(self.mixer_norm(x), state, reset)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
 
@@ -169,17 +176,24 @@ class LanguageModel(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings else n - self.embed.weight.numel()
 
-    def forward(self, input_ids: torch.Tensor, state: list | None = None) -> tuple[torch.Tensor, list]:
-        """Logits [B, T, vocab] for input_ids [B, T], and the per-layer state to continue from."""
+    def forward(self, input_ids: torch.Tensor, state: list | None = None,
+                reset: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+        """Logits [B, T, vocab] for input_ids [B, T], and the per-layer state to continue from.
+
+        reset [B, T] bool: every mixer's state (recurrent state, conv buffers, KV cache) is cleared before the marked
+        tokens, so the documents packed in a row see nothing of each other. By default it is
+        ``input_ids == cfg.document_separator`` for a model trained with resets, and no reset otherwise."""
+        if reset is None and self.cfg.document_separator is not None:
+            reset = input_ids == self.cfg.document_separator
         x = self.embed(input_ids)
         state = state or [None] * len(self.blocks)
         new_state = []
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block, layer_state in zip(self.blocks, state):
             if recompute:
-                x, layer_state = torch.utils.checkpoint.checkpoint(block, x, layer_state, use_reentrant=False)
+                x, layer_state = torch.utils.checkpoint.checkpoint(block, x, layer_state, reset, use_reentrant=False)
             else:
-                x, layer_state = block(x, layer_state)
+                x, layer_state = block(x, layer_state, reset)
             new_state.append(layer_state)
         x = self.norm(x)
         head = self.embed.weight if self.head is None else self.head.weight

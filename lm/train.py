@@ -1,5 +1,6 @@
 """`lm train`: a run directory, a Lightning Trainer, and an exact resume from the newest checkpoint."""
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -64,6 +65,22 @@ def check_compatible(config: RunConfig, manifest: dict) -> None:
     if config.data.seq_len > config.model.max_seq_len:
         raise UserError(f"data.seq_len {config.data.seq_len} is larger than model.max_seq_len "
                         f"{config.model.max_seq_len}")
+
+
+def with_document_resets(config: RunConfig, manifest: dict) -> RunConfig:
+    """data.reset_at_documents: the model resets at the data's separator (model.document_separator), which the
+    checkpoint then carries to evaluation and generation. A separator set by hand must be the data's."""
+    separator, given = manifest["tokenizer"].get("sep_id"), config.model.document_separator
+    if config.data.reset_at_documents and separator is None:
+        raise UserError(f"data.reset_at_documents: {config.data.path}/manifest.json names no separator id (prepare "
+                        "it again with lm prepare)")
+    if given is not None and given != separator:
+        raise UserError(f"model.document_separator {given} is not the separator {separator} of {config.data.path}")
+    if given is not None and not config.data.reset_at_documents:
+        raise UserError("model.document_separator is set by data.reset_at_documents: set that instead")
+    if config.data.reset_at_documents:
+        config.model = dataclasses.replace(config.model, document_separator=separator)
+    return config
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:
@@ -186,6 +203,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     L.seed_everything(config.seed, workers=True, verbose=False)
     datamodule = TokenDataModule(config.data)
     check_compatible(config, datamodule.manifest)
+    config = with_document_resets(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
     check_slurm_launch(world)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -65,3 +65,12 @@ def test_cli_bench_bad_config_is_one_line(tmp_path, capsys):
     assert main(["bench", "train", "--configs", f"[{bad}]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "d_modle" in err[0]
+
+
+def test_bench_train_with_resets_reports_their_cost(capsys):
+    """--resets: steps with and without resets alternate on one model; the ratio is of the same two measurements."""
+    result = bench_train(mixers=["gated_deltanet"], d_model=[64], seq_len=[32], **TINY, resets=True, doc_len=8)
+    row = result["rows"][0]
+    assert row["status"] == "ok" and result["resets"] and result["doc_len"] == 8
+    assert math.isclose(row["reset_ratio"], row["reset_tokens_per_s"] / row["tokens_per_s"])
+    assert "with / without" in capsys.readouterr().out

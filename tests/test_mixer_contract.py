@@ -39,7 +39,7 @@ def test_split_and_token_by_token_equal_one_call(name, T):
 def test_attention_grouped_query_heads_keep_the_contract(n_kv_heads):
     mixer = build("attention", n_kv_heads=n_kv_heads)
     x = torch.randn(2, 19, D, dtype=torch.float64)
-    full, (k, v, seen) = mixer(x)
+    full, (k, v, seen, _) = mixer(x)
     assert k.shape == v.shape == (2, n_kv_heads, 19, HEAD_DIM)
     torch.testing.assert_close(run_in_pieces(mixer, x, range(1, 19)), full, rtol=0, atol=1e-10)
 

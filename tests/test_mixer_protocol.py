@@ -45,10 +45,10 @@ class EMA(Mixer):
         self.u_proj, self.a_proj = nn.Linear(d_model, self.W, bias=False), nn.Linear(d_model, self.W)
         self.o = residual_output(nn.Linear(self.W, d_model, bias=False))  # not named out_proj: the marker counts
 
-    def forward(self, x, state=None):
+    def forward(self, x, state=None, reset=None):
         log_a = F.logsigmoid(self.a_proj(x))
         op = diagonal_scan_recurrent if x.shape[1] == 1 and state is not None else diagonal_scan
-        h, state = op(-torch.expm1(log_a) * self.u_proj(x), log_a, initial_state=state)
+        h, state = op(-torch.expm1(log_a) * self.u_proj(x), log_a, initial_state=state, reset=reset)
         return self.o(h.to(x.dtype)), state
 
     @classmethod

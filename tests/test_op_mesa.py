@@ -150,7 +150,7 @@ def test_cg_matvec_is_linear_attention_with_keys_as_values():
     x = make_inputs(45)
     x["H0"] = x["H0"] + 0.3 * torch.randn(B, H, K, K, dtype=torch.float64)  # not symmetric: orientation matters
     p = torch.randn(B, 45, H, K, dtype=torch.float64)
-    op = _ChunkedKeyState(x["k"], x["log_gamma"], x["beta"], x["H0"], 16, torch.float64)
+    op = _ChunkedKeyState(x["k"], x["log_gamma"], x["beta"], x["H0"], None, 16, torch.float64)
     want, H_T = linear_attention(p, x["k"], x["k"], x["log_gamma"], x["beta"], initial_state=x["H0"].mT,
                                  chunk_size=16, backend="torch")
     assert_close(from_head_chunks(op.matvec(to_head_chunks(p, 16, torch.float64)), 45), want, 1e-12)

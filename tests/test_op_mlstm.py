@@ -1,12 +1,13 @@
 """lm.ops.mlstm: chunkwise and recurrent forms against a per-token reference of the unstabilised mLSTM
 C_t = f_t C_{t-1} + exp(i_t) k_t v_t^T, n_t = f_t n_{t-1} + exp(i_t) k_t, h_t = C_t^T q^_t / max(|n_t^T q^_t|, 1)."""
 
+import functools
 import math
 
 import pytest
 import torch
 
-from lm.ops.mlstm import mlstm, mlstm_recurrent
+from lm.ops.mlstm import _kernel_unusable_reason, mlstm, mlstm_recurrent
 
 B, H, K, V = 2, 3, 5, 7
 
@@ -248,3 +249,174 @@ def test_matches_mlstm_kernels_native_code():
     ref_grads = torch.autograd.grad((want * w).sum(), list(x.values()))
     for a, b in zip(got, ref_grads):
         assert_close(a, b, 1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# reset: packed documents
+
+# Row 0 keeps the carried state for its first document and has a reset at the last step of chunk 1 (15), at the first
+# of chunk 2 (16) and three in a row (15, 16, 17: two one-token documents). Row 1 resets at step 0 (the carried state
+# is dropped), at the last step of chunk 0 (7), at the first of chunks 1 and 3 (8, 24), twice in a row (11, 12) and at
+# the very last step (36, in the padded last chunk). With chunk_size 8.
+RESETS_37 = [[5, 15, 16, 17, 30], [0, 7, 8, 11, 12, 24, 36]]
+RESETS_6 = [[2, 3], [0, 5]]  # T < chunk_size: one chunk
+
+
+def reset_mask(T, resets):
+    reset = torch.zeros(B, T, dtype=torch.bool)
+    for b, steps in enumerate(resets):
+        reset[b, steps] = True
+    return reset
+
+
+def per_document(x, reset, run):
+    """Each row cut at its resets, every document run alone by run(inputs, initial_state or None): the first one
+    from the row's carried state (unless it resets at step 0), the others from zero. Returns the outputs put back
+    together [B, T, H, V] and the last documents' final states, batched."""
+    outs, finals = [], []
+    for b in range(B):
+        T = reset.shape[1]
+        cuts = sorted({0, T, *reset[b].nonzero().flatten().tolist()})
+        carried = tuple(s[b : b + 1] for s in state(x))
+        row = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            doc = [t[b : b + 1, lo:hi] for t in args(x)]
+            out, final = run(doc, carried if lo == 0 and not reset[b, 0] else None)
+            row.append(out)
+        outs.append(torch.cat(row, dim=1))
+        finals.append(final)
+    return torch.cat(outs), tuple(torch.cat(s) for s in zip(*finals))
+
+
+def reference_alone(doc, init):
+    """The unstabilised reference (eps = 0) on one document; init (C~, n~, m) or None for zeros."""
+    if init is None:
+        C, n = torch.zeros(1, H, K, V, dtype=doc[0].dtype), torch.zeros(1, H, K, dtype=doc[0].dtype)
+    else:
+        C, n = unstabilised(init)
+    return reference(*doc, C, n)
+
+
+def recurrent_alone(doc, init, eps=1e-6):
+    return mlstm_recurrent(*doc, eps=eps, initial_state=init)
+
+
+def chunkwise_alone(doc, init, eps=1e-6):
+    return mlstm(*doc, eps=eps, initial_state=init, chunk_size=8, backend="torch")
+
+
+@pytest.mark.parametrize("T, resets", [(37, RESETS_37), (6, RESETS_6)])
+def test_reset_equals_documents_run_alone(T, resets):
+    """Packed rows against every document run alone: the unstabilised reference with eps = 0, and the ops themselves
+    with the default eps = 1e-6 (a reset must clear m too, or the eps-guarded denominator differs)."""
+    x, reset = make_inputs(T, seed=11), reset_mask(T, resets)
+    ref_out, ref_final = per_document(x, reset, reference_alone)
+    for eps in (0.0, 1e-6):
+        packed = {
+            "chunkwise": mlstm(*args(x), eps=eps, initial_state=state(x), chunk_size=8, backend="torch", reset=reset),
+            "recurrent": mlstm_recurrent(*args(x), eps=eps, initial_state=state(x), reset=reset),
+        }
+        alone = [per_document(x, reset, functools.partial(run, eps=eps)) for run in (recurrent_alone, chunkwise_alone)]
+        for out, final in packed.values():
+            if eps == 0.0:
+                assert_close(out, ref_out, 1e-9)
+                for got, want in zip(unstabilised(final), ref_final):
+                    assert_close(got, want, 1e-9)
+            for want_out, want_final in alone:
+                assert_close(out, want_out, 1e-9)
+                for got, want in zip(final, want_final):  # the same m recursion: the stabilised states agree, m too
+                    assert_close(got, want, 1e-9)
+
+
+def test_reset_gradients():
+    """Gradients of the packed chunkwise call w.r.t. every input and the initial state: those of the per-document
+    reference (eps = 0) and of the recurrent form with reset (eps = 1e-6)."""
+    T, reset = 37, reset_mask(37, RESETS_37)
+    x = make_inputs(T, seed=12, requires_grad=True)
+    g = torch.Generator().manual_seed(13)
+    w_out, w_C, w_n = (
+        torch.randn(*s, generator=g, dtype=torch.float64) for s in [(B, T, H, V), (B, H, K, V), (B, H, K)]
+    )
+
+    def loss(out, C, n):
+        return (out * w_out).sum() + (C * w_C).sum() + (n * w_n).sum()
+
+    def grads(out, final_Cn):
+        return torch.autograd.grad(loss(out, *final_Cn), list(x.values()))
+
+    for eps in (0.0, 1e-6):
+        out, final = mlstm(*args(x), eps=eps, initial_state=state(x), chunk_size=8, backend="torch", reset=reset)
+        got = grads(out, unstabilised(final))
+        if eps == 0.0:
+            want = grads(*per_document(x, reset, reference_alone))
+        else:
+            rec, rec_final = mlstm_recurrent(*args(x), eps=eps, initial_state=state(x), reset=reset)
+            want = grads(rec, unstabilised(rec_final))
+        for name, a, b in zip(x, got, want):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8, msg=lambda m, name=name: f"d/d{name}: {m}")
+
+
+def test_reset_token_by_token_matches_one_call():
+    """Decoding the packed row one token at a time, carrying the state and passing each token's reset."""
+    T, reset = 37, reset_mask(37, RESETS_37)
+    x = make_inputs(T, seed=14)
+    whole, whole_final = mlstm(*args(x), initial_state=state(x), chunk_size=8, backend="torch", reset=reset)
+    s, outs = state(x), []
+    for t in range(T):
+        out, s = mlstm_recurrent(*(a[:, t : t + 1] for a in args(x)), initial_state=s, reset=reset[:, t : t + 1])
+        outs.append(out)
+    assert_close(torch.cat(outs, dim=1), whole, 1e-10)
+    for got, want in zip(s, whole_final):
+        assert_close(got, want, 1e-10)
+
+
+def test_reset_extreme_gates_stay_finite_float32():
+    """i_pre up to 1e3 and f_pre down to -1e3 with resets (also at chunk edges and in a row): finite outputs,
+    states and gradients, and the chunkwise form still agrees with the recurrent one."""
+    T = 150
+    x = make_inputs(T, dtype=torch.float32, seed=15)
+    g = torch.Generator().manual_seed(16)
+    x["i_pre"] = 1e3 * (2 * torch.rand(B, T, H, generator=g) - 1)
+    x["i_pre"][:, ::7] = 1e3
+    x["f_pre"] = 1e3 * (2 * torch.rand(B, T, H, generator=g) - 1)
+    x["f_pre"][:, 3::5] = -1e3
+    for t in x.values():
+        t.requires_grad_(True)
+    reset = torch.rand(B, T, generator=g) < 0.1
+    reset[0, [0, 63, 64, 65, 66, 127, 149]] = True
+    reset[1, [1, 2, 128]] = True
+    out, final = chunkwise(x, 64, eps=1e-6, reset=reset)
+    rec, rec_final = mlstm_recurrent(*args(x), eps=1e-6, initial_state=state(x), reset=reset)
+    assert torch.isfinite(out).all() and all(torch.isfinite(s).all() for s in final)
+    relative_close(out, rec, 1e-4)
+    for got, want in zip(final, rec_final):
+        relative_close(got, want, 1e-4)
+    for o, f in ((out, final), (rec, rec_final)):
+        grads = torch.autograd.grad(o.sum() + sum(s.sum() for s in f[:2]), list(x.values()))
+        assert all(torch.isfinite(gr).all() for gr in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_no_reset_is_unchanged(dtype):
+    """reset=None and an all-False reset compute the same, bit for bit, in both forms."""
+    x = make_inputs(37, dtype=dtype, seed=17)
+    no = torch.zeros(B, 37, dtype=torch.bool)
+    for run in (
+        lambda **kw: mlstm(*args(x), initial_state=state(x), chunk_size=8, backend="torch", **kw),
+        lambda **kw: mlstm_recurrent(*args(x), initial_state=state(x), **kw),
+    ):
+        (out, final), (out0, final0) = run(), run(reset=no)
+        assert torch.equal(out, out0) and all(torch.equal(a, b) for a, b in zip(final, final0))
+
+
+def test_reset_checks_and_backend():
+    x, reset = make_inputs(8), reset_mask(8, [[3], [0]])
+    with pytest.raises(RuntimeError, match="reset"):
+        mlstm(*args(x), backend="mlstm_kernels", reset=reset)
+    assert _kernel_unusable_reason(*args(x)[:3], None, 16, reset) == "it has no reset / varlen support"
+    out, _ = mlstm(*args(x), backend="auto", reset=reset)  # goes to torch
+    assert out.shape == (B, 8, H, V)
+    for bad in (reset[:, :5], reset.long(), reset[:1]):
+        for op in (mlstm, mlstm_recurrent):
+            with pytest.raises(ValueError, match="reset"):
+                op(*args(x), reset=bad)

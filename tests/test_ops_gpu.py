@@ -58,16 +58,27 @@ def check_against_torch(op, x: dict, tol: float = 2e-2):
         assert err_ratio(grads[name], grads_ref[name]) < tol, name
 
 
-def _linear_attention(x, backend):
+def _linear_attention(x, backend, reset=None):
     return linear_attention(
-        x["q"], x["k"], x["v"], x["log_decay"], x["beta"], SCALE, initial_state=x["initial_state"], backend=backend
+        x["q"], x["k"], x["v"], x["log_decay"], x["beta"], SCALE, initial_state=x["initial_state"], reset=reset,
+        backend=backend,
     )
 
 
-def _delta_rule(x, backend):
+def _delta_rule(x, backend, reset=None):
     return delta_rule(
-        x["q"], x["k"], x["v"], x["beta"], x["log_decay"], SCALE, initial_state=x["initial_state"], backend=backend
+        x["q"], x["k"], x["v"], x["beta"], x["log_decay"], SCALE, initial_state=x["initial_state"], reset=reset,
+        backend=backend,
     )
+
+
+def packed_documents() -> torch.Tensor:
+    """[B, T] resets: row 0 carries its state into a first document, then one-token documents and one across fla's
+    chunk boundary; row 1 starts with a reset (its initial state unused) and ends with a one-token document."""
+    reset = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    reset[0, [50, 51, 130]] = True
+    reset[1, [0, 64, 199]] = True
+    return reset
 
 
 def test_linear_attention_fla_matches_torch():
@@ -99,6 +110,19 @@ def test_diagonal_scan_fla_matches_torch():
     )
     op = lambda x, backend: diagonal_scan(x["x"], x["log_a"], initial_state=x["initial_state"], backend=backend)
     check_against_torch(op, x)
+
+
+@pytest.mark.parametrize("op", ["linear_attention", "gated_deltanet", "deltanet", "gla"])
+def test_resets_go_through_fla_varlen(op):
+    """Packed documents on the fla path (cu_seqlens, lm.ops.fla._varlen_call) against the torch path with resets."""
+    reset = packed_documents()
+    x = make_inputs(gated_decay=op != "deltanet")
+    if op == "gla":
+        g = torch.Generator(device="cuda").manual_seed(2)
+        x["log_decay"] = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, generator=g, device="cuda") + 3)
+        x["log_decay"].requires_grad_()
+    fn = _delta_rule if op.endswith("deltanet") else _linear_attention
+    check_against_torch(lambda x, backend: fn(x, backend, reset), x)
 
 
 def test_auto_uses_fla_for_cuda_bf16():

@@ -7,16 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import decay_group, residual_output
+from lm.mixers.layers import decay_group, residual_output, steps_since_reset
 from lm.mixers.protocol import Mixer, MixerOptionError, register
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple:
-    """cos and sin [1, T, 1, head_dim / 2] of the angles position * theta^(-2i/head_dim), shared by q and k."""
+    """cos and sin [1 or B, T, 1, head_dim / 2] of the angles position * theta^(-2i/head_dim), shared by q and k;
+    positions [T], or [B, T] where each row counts from its own documents' starts."""
     half = head_dim // 2
     freqs = theta ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [T, d/2]
-    return angles.cos()[None, :, None, :].to(dtype), angles.sin()[None, :, None, :].to(dtype)
+    angles = positions.to(torch.float32)[..., None] * freqs  # [(B,) T, d/2]
+    angles = angles if angles.dim() == 3 else angles[None]
+    return angles.cos()[:, :, None, :].to(dtype), angles.sin()[:, :, None, :].to(dtype)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -29,9 +31,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class Attention(Mixer):
     """Multi-head causal attention (RoPE on q and k, optional grouped-query heads).
 
-    The state is ``(k, v, seen)``: the KV cache, each [B, n_kv_heads, T_cached, head_dim], and the number of tokens
-    seen so far; a call with a state attends to the cached tokens and to its own tokens causally, at positions that
-    continue after them.
+    The state is ``(k, v, seen, start)``: the KV cache, each [B, n_kv_heads, T_cached, head_dim], the number of
+    tokens seen so far, and where each row's current document started ([B], or None before any reset); a call with a
+    state attends to the cached tokens and to its own tokens causally, at positions that continue after them.
+
+    With `reset` [B, T] (packed documents), a query sees only keys of its own document (a block-diagonal causal mask,
+    through SDPA's attn_mask; cached keys of an earlier document are masked too), and with rope_restart (the default)
+    its rotary position counts from its document's start. RoPE scores depend on position differences only, so the
+    restart changes rounding, not the math: a document sees what it would see alone either way.
 
     Parameters: d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) (q, k, v, out projections, no biases).
     """
@@ -40,6 +47,7 @@ class Attention(Mixer):
     class Options:
         n_kv_heads: int | None = None  # grouped-query heads; None: n_heads
         rope_theta: float = 10000.0
+        rope_restart: bool = True  # with resets, rotary positions count from each document's start
 
     window: int | None = None  # keys each query sees, itself included (None: all before it)
     demo_lr = 3e-3
@@ -80,32 +88,48 @@ class Attention(Mixer):
         """q k^T and the weighted sum of v, 2 x 2 x head_dim per key seen, for every query head; 3x training."""
         return (3 if training else 1) * 2 * 2 * n_heads * head_dim * cls.mean_context(seq_len, **options)
 
-    def allowed(self, T: int, seen: int, cached: int, device) -> torch.Tensor | None:
-        """[T, cached + T] bool: which keys (the cached ones, then the T new ones) each new query may see."""
-        if self.window is None and seen == 0:
+    def allowed(self, T: int, seen: int, cached: int, device, starts: torch.Tensor | None = None):
+        """[T, cached + T] bool (or [B, 1, T, cached + T] with document starts): which keys (the cached ones, then the
+        T new ones) each new query may see. starts [B, T]: the absolute position where each query's document
+        starts; keys before it belong to another document."""
+        if self.window is None and seen == 0 and starts is None:
             return None  # plain causal: SDPA's is_causal
         query = torch.arange(seen, seen + T, device=device)[:, None]
         key = torch.arange(seen - cached, seen + T, device=device)[None, :]
         mask = key <= query
-        return mask if self.window is None else mask & (key > query - self.window)
+        if self.window is not None:
+            mask = mask & (key > query - self.window)
+        if starts is not None:
+            mask = (mask & (key >= starts[..., None]))[:, None]  # [B, 1 (heads), T, keys]
+        return mask
 
-    def forward(self, x: torch.Tensor, state: tuple | None = None):
+    def forward(self, x: torch.Tensor, state: tuple | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
-        seen = 0 if state is None else state[2]
+        seen, start = (0, None) if state is None else state[2:]
+        positions = torch.arange(seen, seen + T, device=x.device)
+        starts = None  # absolute position of each query's document start, [B, T]
+        if reset is not None or start is not None:
+            carried = torch.zeros(B, dtype=torch.long, device=x.device) if start is None else start
+            starts = carried[:, None].expand(B, T)
+            if reset is not None:  # a reset within this call moves the start there
+                since = steps_since_reset(reset)
+                starts = torch.where(since <= torch.arange(T, device=x.device), positions - since, starts)
+            start = starts[:, -1]
+        rope_positions = positions - starts if starts is not None and self.options.rope_restart else positions
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        cos, sin = rotary_tables(torch.arange(seen, seen + T, device=x.device), self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = rotary_tables(rope_positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         if state is not None:
             k = torch.cat([state[0], k], dim=2)
             v = torch.cat([state[1], v], dim=2)
-        mask = self.allowed(T, seen, k.shape[2] - T, x.device)
+        mask = self.allowed(T, seen, k.shape[2] - T, x.device, starts)
         gqa = self.n_kv_heads != self.n_heads
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.window is not None:  # the next token sees the last window - 1 of these
             drop = max(0, k.shape[2] - (self.window - 1))
             k, v = k[:, :, drop:], v[:, :, drop:]
-        return self.out_proj(y), (k, v, seen + T)
+        return self.out_proj(y), (k, v, seen + T, start)

@@ -80,12 +80,12 @@ class DeltaNet(Mixer):
         dtype = compute_dtype(x)
         return -torch.exp(self.A_log.to(dtype)) * F.softplus(self.a_proj(x).to(dtype) + self.dt_bias.to(dtype))
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
         state = state or {}
-        q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"))
-        k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"))
-        v, v_state = self.v_conv(self.v_proj(x), state.get("v_conv"))
+        q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"), reset)
+        k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"), reset)
+        v, v_state = self.v_conv(self.v_proj(x), state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
         if self.options.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
@@ -95,7 +95,7 @@ class DeltaNet(Mixer):
         op = delta_rule_recurrent if recurrent else delta_rule
         kwargs = {} if recurrent else {"chunk_size": self.chunk_size, "backend": self.backend}
         o, memory = op(q, k, v, beta, self.log_alpha(x), self.key_dim ** -0.5, initial_state=state.get("memory"),
-                       **kwargs)
+                       reset=reset, **kwargs)
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
         new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state

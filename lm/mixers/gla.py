@@ -80,24 +80,24 @@ class GLA(Mixer):
         logits = self.decay_up(self.decay_down(x)).to(compute_dtype(x))
         return (F.logsigmoid(logits) / self.temperature).view(B, T, self.n_heads, self.key_dim)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
         state, new_state = state or {}, {}
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.convs:
-            q, new_state["q_conv"] = self.convs["q_conv"](q, state.get("q_conv"))
-            k, new_state["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"))
-            v, new_state["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"))
+            q, new_state["q_conv"] = self.convs["q_conv"](q, state.get("q_conv"), reset)
+            k, new_state["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"), reset)
+            v, new_state["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
         v = v.view(B, T, self.n_heads, self.value_dim)
         scale, memory = self.key_dim ** -0.5, state.get("memory")
         if T == 1 and memory is not None:
             o, new_state["memory"] = linear_attention_recurrent(q, k, v, self.log_decay(x), None, scale,
-                                                                initial_state=memory)
+                                                                initial_state=memory, reset=reset)
         else:
             o, new_state["memory"] = linear_attention(q, k, v, self.log_decay(x), None, scale, initial_state=memory,
-                                                      chunk_size=self.chunk_size, sub_chunk=self.sub_chunk,
-                                                      backend=self.backend)
+                                                      reset=reset, chunk_size=self.chunk_size,
+                                                      sub_chunk=self.sub_chunk, backend=self.backend)
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
         return self.out_proj(o.reshape(B, T, -1)), new_state
 

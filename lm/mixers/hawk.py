@@ -96,15 +96,15 @@ class Hawk(Mixer):
         # sqrt(1 - a^2) = sqrt(-expm1(2 log a)), exact for a near 1 where 1 - a^2 would cancel.
         return torch.sqrt(-torch.expm1(2 * log_a)) * (i * u.to(dtype)), log_a
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         state = state or {}
-        u, conv_state = self.conv(self.x_proj(x), state.get("conv"))
+        u, conv_state = self.conv(self.x_proj(x), state.get("conv"), reset)
         xs, log_a = self.scan_inputs(u)
         if x.shape[1] == 1 and "rnn" in state:
-            h, rnn_state = diagonal_scan_recurrent(xs, log_a, initial_state=state["rnn"])
+            h, rnn_state = diagonal_scan_recurrent(xs, log_a, initial_state=state["rnn"], reset=reset)
         else:
-            h, rnn_state = diagonal_scan(xs, log_a, initial_state=state.get("rnn"), chunk_size=self.chunk_size,
-                                         backend=self.backend)
+            h, rnn_state = diagonal_scan(xs, log_a, initial_state=state.get("rnn"), reset=reset,
+                                         chunk_size=self.chunk_size, backend=self.backend)
         y = F.gelu(self.gate_proj(x), approximate="tanh") * h.to(x.dtype)
         return self.out_proj(y), {"conv": conv_state, "rnn": rnn_state}
 

@@ -13,7 +13,8 @@ class ShortConv(nn.Module):
     all (the identity, no activation either: the seed papers' minimal block).
 
     State: the last size - 1 inputs [B, size - 1, channels], so a sequence can be fed in pieces (None for size 0).
-    Parameters: channels * size.
+    With `reset` [B, T] bool, no output reaches back across a reset to an input of an earlier document (nor into the
+    state), so packed documents are convolved apart. Parameters: channels * size.
     """
 
     def __init__(self, channels: int, size: int = 4, activation: bool = True):
@@ -25,14 +26,44 @@ class ShortConv(nn.Module):
         if size:
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, reset: torch.Tensor | None = None):
         if self.weight is None:
             return x, None
         if state is None:
             state = x.new_zeros(x.shape[0], self.size - 1, x.shape[2])
         padded = torch.cat([state, x], dim=1)  # [B, size - 1 + T, C]
-        y = F.conv1d(padded.transpose(1, 2), self.weight, groups=self.weight.shape[0]).transpose(1, 2)
-        return (F.silu(y) if self.activation else y), padded[:, padded.shape[1] - (self.size - 1):]
+        new_state = padded[:, padded.shape[1] - (self.size - 1):]
+        if reset is None:
+            y = F.conv1d(padded.transpose(1, 2), self.weight, groups=self.weight.shape[0]).transpose(1, 2)
+        else:
+            y, new_state = self._within_documents(padded, reset), self._state_after(new_state, reset)
+        return (F.silu(y) if self.activation else y), new_state
+
+    def _within_documents(self, padded: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+        """The convolution with tap d (the input d steps back) dropped wherever a reset lies in (t - d, t]: a sum over
+        the `size` taps (a few elementwise products; the convolution itself cannot mask per output)."""
+        T = reset.shape[1]
+        since = steps_since_reset(reset)[..., None]  # [B, T, 1]
+        y = 0
+        for j in range(self.size):  # conv1d's tap j multiplies padded[t + j], the input d = size - 1 - j steps back
+            y = y + padded[:, j:j + T] * self.weight[:, 0, j] * (since >= self.size - 1 - j)
+        return y
+
+    def _state_after(self, state: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+        """The last size - 1 inputs, zeroed where they come before the row's last reset (an earlier document)."""
+        W = self.size - 1
+        since_last = steps_since_reset(reset)[:, -1:]  # [B, 1]: the last reset is T - 1 - since_last
+        age = torch.arange(W - 1, -1, -1, device=reset.device)  # state entry i holds the input W - 1 - i steps back
+        return state * (age <= since_last)[..., None].to(state.dtype)
+
+
+def steps_since_reset(reset: torch.Tensor) -> torch.Tensor:
+    """[B, T]: steps from the last reset at or before each step (0 at a reset), or a number above T where the row has
+    none up to there (everything before is the same document)."""
+    T = reset.shape[1]
+    steps = torch.arange(T, device=reset.device).expand_as(reset)
+    last = torch.where(reset, steps, torch.full_like(steps, -2 * T - 1)).cummax(dim=1).values
+    return steps - last
 
 
 class GatedRMSNorm(nn.Module):

@@ -70,11 +70,11 @@ class Mamba2(Mixer):
             self.D.fill_(1.0)
         init_dt_bias(self.dt_bias)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
         H, N, G = self.n_heads, self.state_size, self.n_groups
         z, xbc, dt = self.in_proj(x).split([self.inner, self.inner + 2 * G * N, H], dim=-1)
-        xbc, conv_state = self.conv(xbc, None if state is None else state["conv"])
+        xbc, conv_state = self.conv(xbc, None if state is None else state["conv"], reset)
         xs, b, c = xbc.split([self.inner, G * N, G * N], dim=-1)
         xs = xs.view(B, T, H, -1)
         # Groups share B and C across their heads.
@@ -85,7 +85,7 @@ class Mamba2(Mixer):
         op = linear_attention_recurrent if T == 1 and state is not None else linear_attention
         kwargs = {} if op is linear_attention_recurrent else {"chunk_size": self.chunk_size, "backend": self.backend}
         y, ssm_state = op(c, b, xs, log_gamma, dt, 1.0, initial_state=None if state is None else state["ssm"],
-                          **kwargs)
+                          reset=reset, **kwargs)
         y = y + self.D.to(y.dtype)[:, None] * xs
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.out_proj(y), {"conv": conv_state, "ssm": ssm_state}

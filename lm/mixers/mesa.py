@@ -132,14 +132,14 @@ class Mesa(Mixer):
             log_gamma = log_gamma + torch.log1p(-(1 - self.gamma_cap) * beta ** 2)
         return log_gamma, beta
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
         state = state or {}
-        q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"))
-        k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"))
+        q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"), reset)
+        k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"), reset)
         v, v_state = self.v_proj(x), None
         if self.v_conv is not None:
-            v, v_state = self.v_conv(v, state.get("v_conv"))
+            v, v_state = self.v_conv(v, state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
         if self.options.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
@@ -150,10 +150,10 @@ class Mesa(Mixer):
         info = {} if self.backend == "fla" else None  # fla's kernel reports nothing
         if T == 1 and "memory" in state:
             o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
-                                             initial_state=state["memory"], return_info=True)
+                                             initial_state=state["memory"], reset=reset, return_info=True)
         else:
             o, memory, *reported = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
-                                        initial_state=state.get("memory"), chunk_size=self.chunk_size,
+                                        initial_state=state.get("memory"), reset=reset, chunk_size=self.chunk_size,
                                         return_info=info is None, backend=self.backend)
             info = reported[0] if reported else info
         with torch.no_grad():

@@ -85,23 +85,24 @@ class MLSTM(Mixer):
             self.igate.bias.fill_(-10.0)
             self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
 
-    def forward(self, x: torch.Tensor, state: dict | None = None):
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
         H = self.n_heads
         state, new_state = state or {}, {}
         qk_in = x
         if self.conv is not None:
-            qk_in, new_state["conv"] = self.conv(x, state.get("conv"))
+            qk_in, new_state["conv"] = self.conv(x, state.get("conv"), reset)
         q = self.q_proj(qk_in).view(B, T, H, self.qk_head)
         k = self.k_proj(qk_in).view(B, T, H, self.qk_head)
         v = self.v_proj(x).view(B, T, H, self.v_head)
         i_pre = soft_cap(self.igate(x).to(compute_dtype(x)), self.gate_soft_cap)
         f_pre = soft_cap(self.fgate(x).to(compute_dtype(x)), self.gate_soft_cap)
         if T == 1 and "cell" in state:
-            h, new_state["cell"] = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state["cell"])
+            h, new_state["cell"] = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state["cell"],
+                                                   reset=reset)
         else:
             h, new_state["cell"] = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state.get("cell"),
-                                         chunk_size=self.chunk_size, backend=self.backend)
+                                         reset=reset, chunk_size=self.chunk_size, backend=self.backend)
         if self.options.output_norm:
             h = F.rms_norm(h, (self.v_head,), eps=1e-6)
         h = h.reshape(B, T, -1) * self.norm_weight

@@ -78,8 +78,10 @@ class OpCall:
 
 class Mixer(nn.Module):
     """Base of every mixer: built as `cls(d_model, n_heads, head_dim, layer_idx, **options)`, with
-    `forward(x [B, T, D], state=None) -> (y [B, T, D], new_state)`; splitting a sequence anywhere and carrying the
-    state gives the same output as one call."""
+    `forward(x [B, T, D], state=None, reset=None) -> (y [B, T, D], new_state)`; splitting a sequence anywhere and
+    carrying the state gives the same output as one call. reset [B, T] bool clears every state of the mixer (recurrent
+    state, conv buffers, KV cache entries) before the marked tokens: documents packed in a row see nothing of each
+    other (tests/test_mixer_resets.py checks every registered mixer)."""
 
     name: str = ""  # set by `register`
     Options: type = NoOptions

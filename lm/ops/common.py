@@ -74,23 +74,64 @@ def from_head_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.flatten(2, 3)[:, :, :T].transpose(1, 2)
 
 
-def causal_decay(b: torch.Tensor) -> torch.Tensor:
+def causal_decay(b: torch.Tensor, documents: "ChunkDocuments | None" = None) -> torch.Tensor:
     """Decay matrix D[..., i, j] = exp(b_i - b_j) for i >= j and 0 above the diagonal, from cumulative log-decays b.
 
     The difference is formed before exponentiating, so a long chunk with strong decay neither overflows nor
     underflows to 0/0; the upper triangle is set to -inf before exp (its differences can be huge and positive, and an
-    inf there would turn into NaN in the backward pass).
+    inf there would turn into NaN in the backward pass). With `documents`, D is also 0 between steps of different
+    documents (a reset between them), set the same way.
     """
     C = b.shape[-1]
     diff = b[..., :, None] - b[..., None, :]
-    causal = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
-    return diff.masked_fill(~causal, float("-inf")).exp()
+    allowed = torch.ones(C, C, dtype=torch.bool, device=b.device).tril()
+    if documents is not None:
+        allowed = allowed & documents.same
+    return diff.masked_fill(~allowed, float("-inf")).exp()
 
 
-def check_shapes(q, k, v, initial_state, per_key: tuple[str, ...] = (), **gates) -> None:
+class ChunkDocuments:
+    """Where the documents of a packed row start, in the chunked layout, as the masks the chunkwise forms need.
+
+    A reset at step t clears the state before t's update, which is a zero decay at t. A zero decay cannot go through
+    the log-space cumulative sums (log 0 = -inf, and -inf - -inf = NaN), so the decays stay as they are and every
+    product of decays that spans a reset is multiplied by 0 instead, with these masks. With seg_i the number of resets
+    in step i's chunk up to and including i ([B, 1, N, C]; 1 broadcasts over heads):
+        same       [B, 1, N, C, C]  steps i and j are in one document (seg_i == seg_j): j's write reaches i
+        from_start [B, 1, N, C]     no reset from the chunk's start to i (seg_i == 0): the entering state reaches i
+        to_end     [B, 1, N, C]     no reset after j in its chunk (seg_j == seg_last): j's write reaches the chunk end
+        whole      [B, 1, N, 1]     no reset in the chunk: the entering state reaches the next chunk
+    The masks are in `dtype` (0 or 1) except `same`, a bool.
+    """
+
+    def __init__(self, reset: torch.Tensor, chunk_size: int, dtype: torch.dtype):
+        seg = to_head_chunks(reset[:, :, None], chunk_size, torch.int32).cumsum(-1)  # [B, 1, N, C]
+        self.same = seg[..., :, None] == seg[..., None, :]
+        self.from_start = (seg == 0).to(dtype)
+        self.to_end = (seg == seg[..., -1:]).to(dtype)
+        self.whole = self.from_start[..., -1:]
+
+    @staticmethod
+    def of(reset: torch.Tensor | None, chunk_size: int, dtype: torch.dtype) -> "ChunkDocuments | None":
+        """None without resets (the chunkwise forms then skip every mask)."""
+        return None if reset is None else ChunkDocuments(reset, chunk_size, dtype)
+
+
+def check_reset(reset: torch.Tensor | None, B: int, T: int) -> None:
+    """`reset` must be None or a [B, T] bool tensor (True: clear the state before that step)."""
+    if reset is not None and (reset.dtype != torch.bool or reset.shape != (B, T)):
+        raise ValueError(f"expected reset [B, T] = {(B, T)} bool, got {tuple(reset.shape)} {reset.dtype}")
+
+
+def keep_state(reset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """1 - reset as [B, T] in `dtype`: what the recurrent forms multiply the state by before each step's update."""
+    return (~reset).to(dtype)
+
+
+def check_shapes(q, k, v, initial_state, per_key: tuple[str, ...] = (), reset=None, **gates) -> None:
     """Fail early with the ops' contract shapes (q, k [B, T, H, K], v [B, T, H, V], gates [B, T, H] or None,
-    initial_state [B, H, K, V] or None) rather than deep inside an einsum. The gates named in `per_key` may also be
-    [B, T, H, K] (a value per key dimension, as GLA's decay)."""
+    initial_state [B, H, K, V] or None, reset [B, T] bool or None) rather than deep inside an einsum. The gates named
+    in `per_key` may also be [B, T, H, K] (a value per key dimension, as GLA's decay)."""
     if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(
             f"expected q, k [B, T, H, K] and v [B, T, H, V], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -101,6 +142,7 @@ def check_shapes(q, k, v, initial_state, per_key: tuple[str, ...] = (), **gates)
             continue
         expected = f"[B, T, H] = {(B, T, H)}" + (f" or [B, T, H, K] = {(B, T, H, K)}" if name in per_key else "")
         raise ValueError(f"expected {name} {expected}, got {tuple(gate.shape)}")
+    check_reset(reset, B, T)
     V = v.shape[-1]
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"expected initial_state [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")

@@ -7,7 +7,8 @@ conventions to fla's (checked against fla-core 0.6.0's source):
   [B, T, D] for hgrn);
 - scale: fla's default is 1/sqrt(K), so ours is always passed;
 - beta: simple_gla and gla have none, so it is folded into the keys;
-- the final state ([B, H, K, V], or [B, D] for hgrn) is only returned with `output_final_state=True`.
+- the final state ([B, H, K, V], or [B, D] for hgrn) is only returned with `output_final_state=True`;
+- resets (packed documents) go through fla's variable-length form, `cu_seqlens` (`_varlen_call`).
 """
 
 import functools
@@ -84,6 +85,38 @@ def _initial_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
     return None if initial_state is None else initial_state.float()
 
 
+def _run(fn, reset: torch.Tensor | None, **kwargs):
+    """`_call(fn, **kwargs)`, or with resets its variable-length form (`_varlen_call`)."""
+    if reset is None:
+        return _call(fn, **kwargs)
+    return _varlen_call(fn, reset, **kwargs)
+
+
+def _varlen_call(fn, reset: torch.Tensor, initial_state: torch.Tensor | None, **kwargs):
+    """A call with resets as fla runs packed documents (flame's varlen training): the batch flattened into one row of
+    B * T steps, and `cu_seqlens` the offsets where its sequences start (every row's start, and every reset).
+
+    Each row's first sequence continues that row's initial state, unless the row starts with a reset; every other
+    sequence starts from zeros. The final state of a row is that of its last sequence. The [B, T, ...] tensors among
+    kwargs (q, k, v, g, beta, x) are flattened; the others pass as they are. Costs one device sync (the offsets).
+    """
+    B, T = reset.shape
+    starts = reset.clone()
+    starts[:, 0] = True
+    offsets = starts.flatten().nonzero().squeeze(1)  # [N], where each sequence starts in the flat row
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])])
+    first = torch.searchsorted(offsets, torch.arange(B, device=offsets.device) * T)  # each row's first sequence
+    last = torch.cat([first[1:], first.new_tensor([len(offsets)])]) - 1
+    if initial_state is not None:
+        continues = (~reset[:, 0]).to(initial_state.dtype).view(B, *[1] * (initial_state.dim() - 1))
+        sequences = initial_state.new_zeros(len(offsets), *initial_state.shape[1:])
+        initial_state = sequences.index_put((first,), initial_state * continues)
+    flat = {name: x.flatten(0, 1)[None] if torch.is_tensor(x) and x.shape[:2] == (B, T) else x
+            for name, x in kwargs.items()}
+    out, state = _call(fn, initial_state=initial_state, cu_seqlens=cu_seqlens, **flat)
+    return out.view(B, T, *out.shape[2:]), state[last]
+
+
 def fla_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -92,6 +125,7 @@ def fla_linear_attention(
     beta: torch.Tensor | None,
     scale: float,
     initial_state: torch.Tensor | None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear_attention` through fla.ops.simple_gla.chunk_simple_gla (a decay per head: `g` = log_gamma [B, T, H]),
     or fla.ops.gla.chunk_gla for a decay per key dimension (log_gamma [B, T, H, K]; checked against fla's source:
@@ -104,8 +138,9 @@ def fla_linear_attention(
     if beta is not None:
         # beta_t k_t v_t^T = (beta_t k_t) v_t^T, and the query side never sees beta, so folding it into k is exact.
         k = k.float() * beta.float()[..., None]
-    out, state = _call(
+    out, state = _run(
         kernel,
+        reset,
         q=q,
         k=k.to(q.dtype),  # fla's kernels expect q, k, v in one dtype
         v=v.to(q.dtype),
@@ -118,7 +153,7 @@ def fla_linear_attention(
 
 
 def fla_diagonal_scan(
-    x: torch.Tensor, log_a: torch.Tensor, initial_state: torch.Tensor | None
+    x: torch.Tensor, log_a: torch.Tensor, initial_state: torch.Tensor | None, reset: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`diagonal_scan` through fla.ops.hgrn.fused_recurrent_hgrn(x, g, initial_state, output_final_state), g = log_a,
     h_t = exp(g_t) * h_{t-1} + x_t ([B, T, D], state [B, D]). Not chunk_hgrn: its backward returns no gradient for
@@ -126,8 +161,9 @@ def fla_diagonal_scan(
     outputs and the final state in x's dtype."""
     from fla.ops.hgrn import fused_recurrent_hgrn
 
-    out, state = _call(
+    out, state = _run(
         fused_recurrent_hgrn,
+        reset,
         x=x,
         g=log_a.float(),
         initial_state=_initial_state(initial_state),
@@ -144,6 +180,7 @@ def fla_delta_rule(
     log_alpha: torch.Tensor | None,
     scale: float,
     initial_state: torch.Tensor | None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`delta_rule` through fla's chunk_delta_rule (log_alpha None) or chunk_gated_delta_rule (g = log_alpha)."""
     if q.dtype not in _FLA_DTYPES:
@@ -160,9 +197,9 @@ def fla_delta_rule(
     if log_alpha is None:
         from fla.ops.delta_rule import chunk_delta_rule
 
-        out, state = _call(chunk_delta_rule, **common)
+        out, state = _run(chunk_delta_rule, reset, **common)
     else:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        out, state = _call(chunk_gated_delta_rule, g=log_alpha.float(), **common)
+        out, state = _run(chunk_gated_delta_rule, reset, g=log_alpha.float(), **common)
     return out.to(q.dtype), state.float()

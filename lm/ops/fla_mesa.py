@@ -34,7 +34,8 @@ def fla_mesa_available() -> bool:
     return True
 
 
-def fla_mesa_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cg_tol, return_info: bool) -> None:
+def fla_mesa_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cg_tol, return_info: bool,
+                   reset: torch.Tensor | None = None) -> None:
     """Raise, with the reason, when `mesa(..., backend="fla")` cannot run these inputs through fla."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise RuntimeError("mesa: backend='fla' needs CUDA tensors; use backend='torch' (or 'auto') on CPU")
@@ -48,6 +49,8 @@ def fla_mesa_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cg_tol,
     K, V = q.shape[-1], v.shape[-1]
     if V != K or K > 128:
         raise ValueError(f"mesa: fla's kernel needs V == K <= 128, got K={K}, V={V}; use backend='torch'")
+    if reset is not None:
+        raise NotImplementedError("mesa: resets (packed documents) are not wired to fla's kernel; use backend='torch'")
     if cg_tol is not None or return_info:
         raise NotImplementedError(
             "mesa: fla's kernel runs a fixed number of CG steps and reports nothing; cg_tol and return_info need "

@@ -9,12 +9,13 @@ scalar per head and step (log_gamma [B, T, H]) or, as in GLA (Yang et al. 2024),
 `linear_attention` is the chunkwise form for training: within a chunk the outputs are a masked (decayed) attention
 product, across chunks only the [K, V] state is carried. `linear_attention_recurrent` is the plain per-step loop, for
 decoding. Both keep state and decay arithmetic in float32 (float64 stays float64) and return the output in the
-input dtype.
+input dtype. Both take `reset` [B, T] bool: where True, S_{t-1} := 0 before step t's update (packed documents).
 """
 
 import torch
 
 from lm.ops.common import (
+    ChunkDocuments,
     autocast_off,
     causal_decay,
     check_shapes,
@@ -22,6 +23,7 @@ from lm.ops.common import (
     effective_chunk_size,
     from_head_chunks,
     initial_state_or_zeros,
+    keep_state,
     to_head_chunks,
 )
 from lm.ops.fla import fla_linear_attention, use_fla
@@ -36,6 +38,7 @@ def linear_attention(
     scale: float = 1.0,
     *,
     initial_state: torch.Tensor | None = None,
+    reset: torch.Tensor | None = None,
     chunk_size: int = 64,
     sub_chunk: int = 8,
     backend: str = "auto",
@@ -43,7 +46,8 @@ def linear_attention(
     """Chunkwise gated linear attention.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_gamma: [B, T, H] (a decay per head) or [B, T, H, K] (per key
-    dimension, GLA); beta: [B, T, H] (None means 1); initial_state: [B, H, K, V] or None (zeros). Any T works.
+    dimension, GLA); beta: [B, T, H] (None means 1); initial_state: [B, H, K, V] or None (zeros); reset: [B, T]
+    bool or None, True where the state is cleared before the step (a document starts), anywhere. Any T works.
     Returns (out [B, T, H, V] in q's dtype, final_state [B, H, K, V] in float32, or float64 for float64 inputs).
     sub_chunk: the secondary chunk length of the per-key form (unused for a scalar decay); the chunk length is
     rounded up to a multiple of it. Its elementwise [c, c, K] diagonal blocks dominate the per-key form's time on
@@ -51,18 +55,18 @@ def linear_attention(
     steps, each a few kernels on a GPU) short.
     backend: "torch" (this code), "fla" (flash-linear-attention's chunk_simple_gla, or chunk_gla for a per-key
     decay; CUDA only) or "auto" (fla for CUDA bf16/fp16 inputs when it imports, else torch). fla picks its own chunk
-    size.
+    size; with resets it runs fla's variable-length form (lm.ops.fla.varlen).
     """
-    check_shapes(q, k, v, initial_state, per_key=("log_gamma",), log_gamma=log_gamma, beta=beta)
+    check_shapes(q, k, v, initial_state, per_key=("log_gamma",), reset=reset, log_gamma=log_gamma, beta=beta)
     per_key = log_gamma.dim() == 4
     if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention"):
-        return fla_linear_attention(q, k, v, log_gamma, beta, scale, initial_state)
+        return fla_linear_attention(q, k, v, log_gamma, beta, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     if per_key:
         sub_chunk = effective_chunk_size(sub_chunk, chunk_size)
         chunk_size = -(-chunk_size // sub_chunk) * sub_chunk  # a whole number of sub-chunks
-        return _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, chunk_size, sub_chunk)
-    return _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size)
+        return _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size, sub_chunk)
+    return _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size)
 
 
 def _scan_chunks(state, chunk_decay, chunk_states):
@@ -80,42 +84,46 @@ def _scan_chunks(state, chunk_decay, chunk_states):
 
 
 @autocast_off()
-def _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, chunk_size):
+def _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size):
     """The chunkwise algorithm. All intra-chunk work is batched over chunks; only the state pass loops over them.
 
     With b_i the cumulative log-decay inside a chunk (b_i = sum of log_gamma up to and including step i) and S the
     state entering the chunk:
         o_i   = scale * (exp(b_i) q_i^T S + sum_{j<=i} exp(b_i - b_j) beta_j (q_i . k_j) v_j)
         S_new = exp(b_last) S + sum_j exp(b_last - b_j) beta_j k_j v_j^T
-    The padded tail (zero keys/values, zero log-decay) neither writes to nor decays the state.
+    The padded tail (zero keys/values, zero log-decay) neither writes to nor decays the state. Resets multiply every
+    decay that spans one by 0 (`ChunkDocuments`).
     """
     T, V, in_dtype, dtype = q.shape[1], v.shape[-1], q.dtype, compute_dtype(q)
     state = initial_state_or_zeros(initial_state, q, V, dtype)
+    docs = ChunkDocuments.of(reset, chunk_size, dtype)
     if beta is not None:
         # beta only scales what step j writes, so it can ride on the key: beta_j k_j v_j^T = (beta_j k_j) v_j^T.
         k = k.to(dtype) * beta.to(dtype)[..., None]
     q, k, v = (to_head_chunks(x, chunk_size, dtype) for x in (q, k, v))  # [B, H, N, C, K or V]
     b = to_head_chunks(log_gamma, chunk_size, dtype).cumsum(-1)  # [B, H, N, C]
     b_last = b[..., -1:]  # [B, H, N, 1], log-decay over the whole chunk
+    to_end, from_start, chunk_decay = (b_last - b).exp(), b.exp(), b_last.exp()
+    if docs is not None:
+        to_end, from_start, chunk_decay = to_end * docs.to_end, from_start * docs.from_start, chunk_decay * docs.whole
 
     # Intra-chunk: causal attention weighted by the decay between the two steps, for all chunks at once.
-    scores = torch.einsum("bhnik,bhnjk->bhnij", q, k) * causal_decay(b)
+    scores = torch.einsum("bhnik,bhnjk->bhnij", q, k) * causal_decay(b, docs)
     out = scores @ v
 
     # What each chunk adds to the state, decayed to the chunk's end (b_last - b_j <= 0: no overflow).
-    k_to_end = k * (b_last - b).exp()[..., None]
-    chunk_states = torch.einsum("bhnck,bhncv->bhnkv", k_to_end, v)  # [B, H, N, K, V]
+    chunk_states = torch.einsum("bhnck,bhncv->bhnkv", k * to_end[..., None], v)  # [B, H, N, K, V]
 
     # Inter-chunk: a short sequential scan over chunks carries the state; keep the state entering every chunk.
-    entering, state = _scan_chunks(state, b_last[..., None].exp(), chunk_states)  # [B, H, N, K, V]
+    entering, state = _scan_chunks(state, chunk_decay[..., None], chunk_states)  # [B, H, N, K, V]
 
     # Query part of the carried state, decayed from the chunk start to step i.
-    out = out + torch.einsum("bhnck,bhnkv->bhncv", q * b.exp()[..., None], entering)
+    out = out + torch.einsum("bhnck,bhnkv->bhncv", q * from_start[..., None], entering)
     return (scale * from_head_chunks(out, T)).to(in_dtype), state
 
 
 @autocast_off()
-def _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, chunk_size, sub_chunk):
+def _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size, sub_chunk):
     """The chunkwise algorithm with a decay per key dimension (GLA), with GLA's secondary chunking.
 
     With b_t the cumulative log-decay inside a chunk, now a vector over the key dimensions, the weight of key s for
@@ -134,9 +142,12 @@ def _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, chunk_siz
     a step) rather than taken as a difference of chunk-level cumulative sums: in float32 such a difference carries
     the rounding of its terms (|b| ~ 50 leaves ~4e-6 absolute), so a slow dimension sitting next to fast ones in the
     chunk would lose that much relative accuracy; a direct sum's error scales with its own value.
+    Resets: every product above is finite, so the [C, C] score matrix, the state's writes and its decays are simply
+    multiplied by `ChunkDocuments`' masks.
     """
     T, V, in_dtype, dtype = q.shape[1], v.shape[-1], q.dtype, compute_dtype(q)
     state = initial_state_or_zeros(initial_state, q, V, dtype)
+    docs = ChunkDocuments.of(reset, chunk_size, dtype)
     if beta is not None:
         k = k.to(dtype) * beta.to(dtype)[..., None]  # beta_s k_s v_s^T = (beta_s k_s) v_s^T
     q, k, v, g = (to_head_chunks(x, chunk_size, dtype) for x in (q, k, v, log_gamma))  # [B, H, N, C, K or V]
@@ -168,16 +179,22 @@ def _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, chunk_siz
         blocks.append(block)
         blocks.append(q.new_zeros(*q.shape[:3], c, C - (i + 1) * c))  # later keys: causal mask
         rows.append(torch.cat(blocks, dim=-1))
-    out = torch.cat(rows, dim=-2) @ v  # [B, H, N, C, C] @ [B, H, N, C, V]
+    scores = torch.cat(rows, dim=-2)  # [B, H, N, C, C]
+    if docs is not None:
+        scores = scores * docs.same
+    out = scores @ v
 
     # What each chunk adds to the state, decayed to the chunk's end, then the sequential pass over chunks.
     b = g.cumsum(-2)  # [B, H, N, C, K], from the chunk start
-    chunk_states = torch.einsum("bhnck,bhncv->bhnkv", k * _sum_after(g).exp(), v)  # [B, H, N, K, V]
-    chunk_decay = b[..., -1, :, None].exp()  # [B, H, N, K, 1], over the whole chunk
+    to_end, from_start, chunk_decay = _sum_after(g).exp(), b.exp(), b[..., -1, :, None].exp()  # [B, H, N, K, 1]
+    if docs is not None:
+        to_end, from_start = to_end * docs.to_end[..., None], from_start * docs.from_start[..., None]
+        chunk_decay = chunk_decay * docs.whole[..., None]
+    chunk_states = torch.einsum("bhnck,bhncv->bhnkv", k * to_end, v)  # [B, H, N, K, V]
     entering, state = _scan_chunks(state, chunk_decay, chunk_states)
 
     # Query part of the carried state, decayed per key dimension from the chunk start to step t.
-    out = out + torch.einsum("bhnck,bhnkv->bhncv", q * b.exp(), entering)
+    out = out + torch.einsum("bhnck,bhnkv->bhncv", q * from_start, entering)
     return (scale * from_head_chunks(out, T)).to(in_dtype), state
 
 
@@ -197,17 +214,20 @@ def linear_attention_recurrent(
     scale: float = 1.0,
     *,
     initial_state: torch.Tensor | None = None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent gated linear attention: a plain loop over t, for decoding (T=1 with a carried state) and as a
     readable statement of the recurrence. Same arguments and results as `linear_attention` (log_gamma [B, T, H] or
     [B, T, H, K])."""
-    check_shapes(q, k, v, initial_state, per_key=("log_gamma",), log_gamma=log_gamma, beta=beta)
+    check_shapes(q, k, v, initial_state, per_key=("log_gamma",), reset=reset, log_gamma=log_gamma, beta=beta)
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, log_gamma = (x.to(dtype) for x in (q, k, v, log_gamma))
     if beta is not None:
         k = k * beta.to(dtype)[..., None]  # beta_t k_t v_t^T = (beta_t k_t) v_t^T
     # The decay multiplies the state's rows: [B, T, H, 1, 1] for a scalar, [B, T, H, K, 1] per key dimension.
     gamma = (log_gamma[..., None] if log_gamma.dim() == 4 else log_gamma[..., None, None]).exp()
+    if reset is not None:  # a cleared state is a zero decay
+        gamma = gamma * keep_state(reset, dtype)[:, :, None, None, None]
     state = initial_state_or_zeros(initial_state, q, v.shape[-1], dtype)
     outs = []
     # unbind rather than x[:, t]: the backward of T slices would write T full-size gradients.

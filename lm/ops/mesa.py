@@ -34,6 +34,10 @@ Both forms solve in float32 (float64 for float64 inputs) whatever the input dtyp
 bf16-mixed it would recast every matvec to bf16), forward, adjoint and decoding alike. They return the output in the
 input dtype and the state (G [B, H, V, K], H [B, H, K, K]) in the compute dtype. H_0 should be symmetric positive
 semi-definite (a state this op returned is).
+
+`reset` [B, T] bool clears both states before the marked steps (G_{t-1} = H_{t-1} := 0: a document starts). G and H
+are linear-attention states, so every piece above (the matvecs, the readout, the surrogate) takes it as
+`linear_attention` does.
 """
 
 import math
@@ -42,12 +46,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lm.ops.common import (
+    ChunkDocuments,
     autocast_off,
     causal_decay,
     check_shapes,
     compute_dtype,
     effective_chunk_size,
     from_head_chunks,
+    keep_state,
     to_head_chunks,
 )
 from lm.ops.fla import BACKENDS
@@ -69,6 +75,7 @@ def mesa(
     cg_steps: int = 30,
     cg_tol: float | None = None,
     initial_state: MesaState | None = None,
+    reset: torch.Tensor | None = None,
     chunk_size: int = 64,
     return_info: bool = False,
     backend: str = "auto",
@@ -76,7 +83,8 @@ def mesa(
     """Chunkwise Mesa layer.
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; log_gamma, beta: [B, T, H]; lam: [H, K] (positive); initial_state: (G_0
-    [B, H, V, K], H_0 [B, H, K, K]) or None (zeros). Any T works. Returns (out [B, T, H, V] in q's dtype, (G_T, H_T)
+    [B, H, V, K], H_0 [B, H, K, K]) or None (zeros); reset: [B, T] bool or None (True: both states cleared before
+    the step). Any T works. Returns (out [B, T, H, V] in q's dtype, (G_T, H_T)
     in float32, or float64 for float64 inputs), and with return_info=True also an info dict of detached 0-dim
     float32 tensors (no device sync) about the forward solve: "iterations" (mean CG steps per token and head),
     "residual" and "residual_max" (mean and max of the true relative residual ||q_t - A_t x_t|| / ||q_t||, measured
@@ -87,23 +95,24 @@ def mesa(
     cg_steps: most CG steps per token (0: plain gated linear attention with query q); cg_tol: relative residual at
     which a token stops early (None: always cg_steps steps). The backward's adjoint solve uses both as well.
     backend: "torch" (this code), "fla" (flash-linear-attention's chunk_mesa_net: CUDA, bf16/fp16, V == K, fixed
-    step count, no info; see lm/ops/fla_mesa.py) or "auto", which is this code: fla's solver is not the same
-    algorithm (other warm start, damped step sizes), so it is only used when asked for. With cg_steps=0 the backend is
-    passed on to `linear_attention`.
+    step count, no info, no resets; see lm/ops/fla_mesa.py) or "auto", which is this code: fla's solver is not the
+    same algorithm (other warm start, damped step sizes), so it is only used when asked for. With cg_steps=0 the
+    backend is passed on to `linear_attention`.
     """
-    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol)
+    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     if backend not in BACKENDS:
         raise ValueError(f"mesa: backend must be one of {BACKENDS}, got {backend!r}")
     if cg_steps == 0:
-        return _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, chunk_size, return_info, backend)
+        return _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, reset, chunk_size, return_info,
+                                         backend)
     if backend == "fla":
-        fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info)
+        fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info, reset=reset)
         return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
 
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
-    out, G, H = _MesaFunction.apply(q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size, info)
+    out, G, H = _MesaFunction.apply(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info)
     return (out, (G, H), info) if return_info else (out, (G, H))
 
 
@@ -119,18 +128,22 @@ def mesa_recurrent(
     cg_steps: int = 30,
     cg_tol: float | None = None,
     initial_state: MesaState | None = None,
+    reset: torch.Tensor | None = None,
     return_info: bool = False,
 ):
     """Recurrent Mesa layer, for decoding (T=1 with a carried state): per step, update the materialised G, H of every
     head and solve (H_t + diag(lam)) x = q_t with the same warm-started CG and stopping rule as `mesa`. Plain autograd
     (through the CG steps). Same arguments and results as `mesa`."""
-    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol)
+    _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset)
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, log_gamma, beta, lam = (x.to(dtype) for x in (q, k, v, log_gamma, beta, lam))
+    gammas = log_gamma.exp()
+    if reset is not None:  # a cleared state is a zero decay
+        gammas = gammas * keep_state(reset, dtype)[..., None]
     G, H = _initial_state(initial_state, q, v.shape[-1], dtype)
     outs, iterations, residuals, diagonals = [], [], [], []
     for t in range(q.shape[1]):
-        gamma = log_gamma[:, t, :, None, None].exp()  # [B, H, 1, 1]
+        gamma = gammas[:, t, :, None, None]  # [B, H, 1, 1]
         k_beta = k[:, t] * beta[:, t, :, None]
         G = gamma * G + torch.einsum("bhv,bhk->bhvk", v[:, t], k_beta)
         H = gamma * H + torch.einsum("bhk,bhl->bhkl", k_beta, k[:, t])
@@ -243,19 +256,24 @@ class _ChunkedKeyState:
         H_i p_i = sum_{j<=i} exp(b_i - b_j) beta_j (p_i . k_j) k_j + exp(b_i) H_n p_i.
     """
 
-    def __init__(self, k, log_gamma, beta, H0, chunk_size: int, dtype: torch.dtype):
+    def __init__(self, k, log_gamma, beta, H0, reset, chunk_size: int, dtype: torch.dtype):
         self.k = to_head_chunks(k, chunk_size, dtype)  # [B, H, N, C, K], zero-padded tail
         beta = to_head_chunks(beta, chunk_size, dtype)  # [B, H, N, C]
         b = to_head_chunks(log_gamma, chunk_size, dtype).cumsum(-1)  # [B, H, N, C]
-        self.weights = causal_decay(b) * beta[..., None, :]  # exp(b_i - b_j) beta_j for j <= i: [B, H, N, C, C]
-        self.from_start = b.exp()[..., None]  # decay of the entering state up to step i: [B, H, N, C, 1]
+        docs = ChunkDocuments.of(reset, chunk_size, dtype)
+        to_end, from_start, chunk_decay = (b[..., -1:] - b).exp(), b.exp(), b[..., -1:].exp()
+        if docs is not None:  # products of decays across a reset are 0 (see ChunkDocuments)
+            to_end, from_start = to_end * docs.to_end, from_start * docs.from_start
+            chunk_decay = chunk_decay * docs.whole
+        self.weights = causal_decay(b, docs) * beta[..., None, :]  # exp(b_i - b_j) beta_j for j <= i: [B, H, N, C, C]
+        self.from_start = from_start[..., None]  # decay of the entering state up to step i: [B, H, N, C, 1]
         # What each chunk adds, decayed to its end; then the short sequential pass over chunks.
-        k_to_end = self.k * ((b[..., -1:] - b).exp() * beta)[..., None]
+        k_to_end = self.k * (to_end * beta)[..., None]
         added = torch.einsum("bhnck,bhncl->bhnkl", k_to_end, self.k)  # [B, H, N, K, K]
         state, entering = H0.to(dtype), []
         for n in range(self.k.shape[2]):
             entering.append(state)
-            state = b[:, :, n, -1, None, None].exp() * state + added[:, :, n]
+            state = chunk_decay[:, :, n, :, None] * state + added[:, :, n]
         self.entering = torch.stack(entering, dim=2)  # [B, H, N, K, K]
         self.final = state  # H_T
 
@@ -296,14 +314,14 @@ class _MesaFunction(torch.autograd.Function):
     module docstring); the forward iterations are not unrolled, only x is kept."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, cg_steps, cg_tol, chunk_size, info):
+    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info):
         dtype = G0.dtype
-        H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)
+        H_op = _ChunkedKeyState(k, log_gamma, beta, H0, reset, chunk_size, dtype)
         x = _solve(H_op, lam.to(dtype), q, cg_steps, cg_tol, chunk_size, info)
-        out, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size,
+        out, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, reset=reset, chunk_size=chunk_size,
                                     backend="torch")
         ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
-        ctx.settings = (cg_steps, cg_tol, chunk_size, q.dtype, info)
+        ctx.settings = (reset, cg_steps, cg_tol, chunk_size, q.dtype, info)
         ctx.set_materialize_grads(False)
         return out.to(q.dtype), G_T.mT.contiguous(), H_op.final
 
@@ -312,24 +330,24 @@ class _MesaFunction(torch.autograd.Function):
     @autocast_off()
     def backward(ctx, d_out, d_G, d_H):
         k, v, log_gamma, beta, lam, G0, H0, x = ctx.saved_tensors
-        cg_steps, cg_tol, chunk_size, q_dtype, info = ctx.settings
+        reset, cg_steps, cg_tol, chunk_size, q_dtype, info = ctx.settings
         dtype = x.dtype
         e = None
         if d_out is not None:
             # Adjoint: e_t = A_t^{-1} G_t^T do_t. G_t^T do_t is linear attention with do as query, the values as keys
             # and the keys as values (state G_t itself, [V, K]).
-            rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0,
+            rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0, reset=reset,
                                       chunk_size=chunk_size, backend="torch")
-            H_op = _ChunkedKeyState(k, log_gamma, beta, H0, chunk_size, dtype)  # recomputed: cheap, saves memory
+            H_op = _ChunkedKeyState(k, log_gamma, beta, H0, reset, chunk_size, dtype)  # recomputed: cheap, saves memory
             e = _solve(H_op, lam.to(dtype), rhs, cg_steps, cg_tol, chunk_size, info, prefix="adjoint_")
         grads = _surrogate_grads(
-            (k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G, d_H, chunk_size
+            (k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G, d_H, reset, chunk_size
         )
         dq = e.to(q_dtype) if e is not None and ctx.needs_input_grad[0] else None
-        return (dq, *grads, None, None, None, None)
+        return (dq, *grads, None, None, None, None, None)
 
 
-def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):
+def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, reset, chunk_size):
     """Gradients w.r.t. (k, v, log_gamma, beta, lam, G0, H0) by autograd through the surrogate
     S = do.(G x) - e.(H x) - e.(lam x) + <dG_T, G_T> + <dH_T, H_T>, with x and e constants."""
     leaves = [t.detach().requires_grad_(needs) for t, needs in zip(inputs, needs_grad)]
@@ -341,8 +359,8 @@ def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):
     terms = []
     with torch.enable_grad():
         if d_out is not None or d_G is not None:
-            Gx, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size,
-                                       backend="torch")
+            Gx, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, reset=reset,
+                                       chunk_size=chunk_size, backend="torch")
             if d_out is not None:
                 terms.append(_dot(d_out.to(dtype), Gx).sum())
             if d_G is not None:
@@ -350,8 +368,8 @@ def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):
         if e is not None or d_H is not None:
             # H_0^T as the initial state: linear attention reads S^T p, so this gives H_t p (and the gradient w.r.t.
             # H_0 in H_0's own orientation, should H_0 not be exactly symmetric).
-            Hx, H_T = linear_attention(x, k, k, log_gamma, beta, initial_state=H0.mT, chunk_size=chunk_size,
-                                       backend="torch")
+            Hx, H_T = linear_attention(x, k, k, log_gamma, beta, initial_state=H0.mT, reset=reset,
+                                       chunk_size=chunk_size, backend="torch")
             if e is not None:
                 terms.append(-_dot(e, Hx).sum() - _dot(e, lam.to(dtype) * x).sum())
             if d_H is not None:
@@ -363,30 +381,36 @@ def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, chunk_size):
     return [next(found) if leaf.requires_grad else None for leaf in leaves]
 
 
-def _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, chunk_size, return_info, backend):
+def _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, reset, chunk_size, return_info, backend):
     """cg_steps=0: o_t = G_t q_t, which is gated linear attention with query q (plain autograd through it). H_T is
     still carried, so that a later call (or decoding) with cg_steps > 0 can continue from the state."""
     dtype = compute_dtype(q)
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], dtype)
-    out, G_T = linear_attention(q, k, v, log_gamma, beta, initial_state=G0.mT, chunk_size=chunk_size, backend=backend)
-    state = (G_T.mT, _final_key_state(k, log_gamma, beta, H0))
+    out, G_T = linear_attention(q, k, v, log_gamma, beta, initial_state=G0.mT, reset=reset, chunk_size=chunk_size,
+                                backend=backend)
+    state = (G_T.mT, _final_key_state(k, log_gamma, beta, H0, reset))
     if return_info:
         return out, state, _info_without_solve(q)
     return out, state
 
 
-def _final_key_state(k, log_gamma, beta, H0):
+def _final_key_state(k, log_gamma, beta, H0, reset):
     """H_T = exp(sum log_gamma) H_0 + sum_s exp(sum_{u>s} log_gamma_u) beta_s k_s k_s^T, in one pass.
 
     The decay after step s is a reverse cumulative sum of the log-decays (not total minus a forward cumsum, which
-    cancels badly in float32 for long, strongly decaying sequences); every exponent is <= 0."""
+    cancels badly in float32 for long, strongly decaying sequences); every exponent is <= 0. A reset after step s
+    (or anywhere, for H_0) multiplies its term by 0."""
     dtype = H0.dtype
     log_gamma = log_gamma.to(dtype)
     after = log_gamma.flip(1).cumsum(1).flip(1) - log_gamma  # sum_{u>s} log_gamma_u: [B, T, H]
+    decay_after, decay_all = after.exp(), log_gamma.sum(1).exp()  # [B, T, H], [B, H]
+    if reset is not None:
+        resets_after = reset.flip(1).int().cumsum(1).flip(1) - reset.int()  # resets in (s, T): [B, T]
+        decay_after = decay_after * (resets_after == 0).to(dtype)[..., None]
+        decay_all = decay_all * (~reset.any(1)).to(dtype)[:, None]
     k = k.to(dtype)
-    weighted = k * (after.exp() * beta.to(dtype))[..., None]
-    total = log_gamma.sum(1)[..., None, None]  # [B, H, 1, 1]
-    return total.exp() * H0 + torch.einsum("bthk,bthl->bhkl", weighted, k)
+    weighted = k * (decay_after * beta.to(dtype))[..., None]
+    return decay_all[..., None, None] * H0 + torch.einsum("bthk,bthl->bhkl", weighted, k)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -401,11 +425,11 @@ def _initial_state(initial_state: MesaState | None, q: torch.Tensor, V: int, dty
     return q.new_zeros(B, H, V, K, dtype=dtype), q.new_zeros(B, H, K, K, dtype=dtype)
 
 
-def _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol) -> None:
+def _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset) -> None:
     """Fail early with the contract's shapes and settings. lam > 0 is not checked (that would sync the device)."""
     if beta is None:
         raise ValueError("mesa: beta is required ([B, T, H]); pass ones for no input gate")
-    check_shapes(q, k, v, None, log_gamma=log_gamma, beta=beta)
+    check_shapes(q, k, v, None, reset=reset, log_gamma=log_gamma, beta=beta)
     B, _, H, K = q.shape
     V = v.shape[-1]
     if lam.shape != (H, K):

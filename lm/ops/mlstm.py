@@ -14,6 +14,10 @@ and h_t = C~_t^T q^_t / (max(|n~_t^T q^_t|, exp(-m_t)) + eps). With eps = 0 this
 (the xLSTM convention) guards the division. The state is (C~ [B, H, K, V], n~ [B, H, K], m [B, H]); it stands for
 the unstabilised C = C~ exp(m), n = n~ exp(m). The zero state is (0, 0, 0).
 
+reset ([B, T] bool, optional) packs several documents in a row: where True, the state is set to the zero state,
+m included, before that token's update, so each document computes exactly what it would alone (the first one
+continuing the initial state), its stabiliser and hence the eps-guarded denominator included.
+
 m is only a stabiliser: with eps = 0 the outputs and the represented C, n do not depend on the value chosen for it,
 so every stabiliser the ops compute is detached from autograd (the gradient is then exact for eps = 0 and off by
 O(eps) otherwise, and no gradient has to flow through max()). An initial state's m is a real input and keeps its
@@ -60,6 +64,7 @@ def mlstm(
     initial_state: MLSTMState | None = None,
     chunk_size: int = 64,
     backend: str = "auto",
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MLSTMState]:
     """Chunkwise mLSTM.
 
@@ -69,12 +74,14 @@ def mlstm(
     backend: "torch" (this code), "mlstm_kernels" (that package's "chunkwise--triton_xl_chunk" Triton kernel, CUDA
     only; see `_kernel_unusable_reason` for its limits) or "auto" (the kernel for CUDA bf16/fp16 inputs it supports,
     else torch).
+    reset: [B, T] bool or None; where True the state is cleared to the zero state (0, 0, 0) before that token's
+    update (document boundaries in a packed row). The kernel has no varlen support: with a reset, "auto" runs torch.
     """
-    _check_inputs(q, k, v, i_pre, f_pre, initial_state)
+    _check_inputs(q, k, v, i_pre, f_pre, initial_state, reset)
     torch_chunk_size = effective_chunk_size(chunk_size, q.shape[1])  # the kernel takes the asked-for size
-    if _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size):
+    if _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset):
         return _mlstm_kernels_chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size)
-    return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, torch_chunk_size)
+    return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, torch_chunk_size, reset)
 
 
 @autocast_off()
@@ -87,10 +94,11 @@ def mlstm_recurrent(
     *,
     eps: float = 1e-6,
     initial_state: MLSTMState | None = None,
+    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MLSTMState]:
     """Recurrent mLSTM: the stabilised step loop, for decoding (T=1 with a carried state). Same arguments and results
     as `mlstm`."""
-    _check_inputs(q, k, v, i_pre, f_pre, initial_state)
+    _check_inputs(q, k, v, i_pre, f_pre, initial_state, reset)
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q = q.to(dtype) / math.sqrt(q.shape[-1])
     k, v, i_pre = k.to(dtype), v.to(dtype), i_pre.to(dtype)
@@ -98,6 +106,9 @@ def mlstm_recurrent(
     C, n, m = _initial_state(initial_state, q, v.shape[-1], dtype)
     outs = []
     for t in range(q.shape[1]):
+        if reset is not None:  # back to the zero state, m included, so the stabiliser is the lone document's
+            r = reset[:, t, None]  # [B, 1]
+            C, n, m = torch.where(r[..., None, None], 0.0, C), torch.where(r[..., None], 0.0, n), torch.where(r, 0.0, m)
         m_new = torch.maximum(log_f[:, t] + m, i_pre[:, t]).detach()  # [B, H]
         forget = torch.exp(log_f[:, t] + m - m_new)[..., None]  # <= 1
         write = torch.exp(i_pre[:, t] - m_new)[..., None]  # <= 1
@@ -116,7 +127,7 @@ def mlstm_recurrent(
 
 
 @autocast_off()
-def _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size):
+def _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size, reset=None):
     """The chunkwise algorithm: all intra-chunk work is batched over chunks; only the state pass loops over them.
 
     Inside a chunk (steps 0..L-1, entered with state (C~p, n~p, m_p)), with cumulative log forget gates
@@ -128,6 +139,10 @@ def _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size):
         den_i = sum_j exp(D_ij - m_i) (q^_i . k_j)     + exp(b_i + m_p - m_i) n~p . q^_i
         h_i   = num_i / (max(|den_i|, exp(-m_i)) + eps)
     All exponents are <= 0 by construction, so nothing overflows.
+
+    Resets split a chunk into segments (see `_segments`): a write reaches only rows of its own segment, and rows after
+    a reset in the chunk see, instead of the entering state, the zero state placed before the reset: nothing in C~, n~,
+    but the log-weight (sum of log f over the segment up to i) + 0 in m_i, as the recurrent m does after a reset.
     """
     T, V, in_dtype, dtype = q.shape[1], v.shape[-1], q.dtype, compute_dtype(q)
     state = _initial_state(initial_state, q, V, dtype)
@@ -142,9 +157,12 @@ def _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size):
 
     b = log_f.cumsum(-1)  # [B, H, N, L]
     log_d = _segment_sums(log_f) + i_pre[..., None, :]  # D_ij: [B, H, N, L, L], -inf above the diagonal
+    enter = None  # without resets the entering state reaches every row
+    if reset is not None:
+        b, log_d, enter = _segments(log_f, b, log_d, reset, chunk_size)
 
-    C_start, n_start, m_start, final_state = _chunk_states(k, v, b, log_d, state)
-    out = _chunk_outputs(q, k, v, b, log_d, C_start, n_start, m_start, eps)
+    C_start, n_start, m_start, final_state = _chunk_states(k, v, b, log_d, state, enter)
+    out = _chunk_outputs(q, k, v, b, log_d, C_start, n_start, m_start, eps, enter)
     return from_head_chunks(out, T).to(in_dtype), final_state
 
 
@@ -160,7 +178,26 @@ def _segment_sums(log_f: torch.Tensor) -> torch.Tensor:
     return x.cumsum(-2).masked_fill(~ones.tril(), -math.inf)
 
 
-def _chunk_states(k, v, b, log_d, state):
+def _segments(log_f, b, log_d, reset, chunk_size):
+    """Cut the chunks at the resets: seg_i = number of resets at steps <= i of the chunk (the padded tail has none).
+
+    Returns log_d with D_ij = -inf unless seg_j == seg_i; b replaced, in rows with seg_i > 0, by the sum of log f over
+    the segment's steps <= i (the log-weight of the zero state met at the reset, whose m is 0); and enter = (seg == 0)
+    [B, 1, N, L], the rows the entering state reaches. Segment sums are masked sums, not differences of b (see
+    `_segment_sums`); rows with seg_i == 0 keep b exactly, so an all-False reset computes what reset=None does.
+    """
+    L = log_f.shape[-1]
+    r = pad_to_chunks(reset.to(device=log_f.device, dtype=torch.long), chunk_size)
+    seg = split_chunks(r, chunk_size).cumsum(-1)[:, None]  # [B, 1, N, L], broadcast over heads
+    same = seg[..., :, None] == seg[..., None, :]  # [B, 1, N, L, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=log_f.device).tril()
+    x = log_f[..., None, :].expand(*log_f.shape[:-1], L, L)  # x[..., i, l] = log_f[l]
+    seg_sum = x.masked_fill(~(same & causal), 0.0).sum(-1)
+    enter = seg == 0
+    return torch.where(enter, b, seg_sum), log_d.masked_fill(~same, -math.inf), enter
+
+
+def _chunk_states(k, v, b, log_d, state, enter=None):
     """The state entering every chunk, and the final state.
 
     A chunk moves the state (C~p, n~p, m_p) to
@@ -168,21 +205,28 @@ def _chunk_states(k, v, b, log_d, state):
         C~new = exp(g + m_p - m_new) C~p + sum_j exp(a_j - m_new) k_j v_j^T      (n~ likewise with k_j)
     with g = b_{L-1} the chunk's total log forget gate. The stabilisers are found first (a cheap loop over [B, H]
     scalars); then all chunks' writes are one batched einsum and only the decay-and-add loops over chunks.
+    A chunk with a reset (enter False at its end) drops the entering state: m_p counts as 0 (the zero state's), g is
+    the last segment's log-weight (see `_segments`) and C~p, n~p get the factor 0.
     Returns C_start [B, H, N, K, V], n_start [B, H, N, K], m_start [B, H, N] and the final (C~, n~, m).
     """
     C, n, m0 = state
     g = b[..., -1]  # [B, H, N]
     a = log_d[..., -1, :]  # [B, H, N, L]
+    carry = None if enter is None else enter[..., -1]  # [B, 1, N]: no reset in the chunk
     with torch.no_grad():
         a_max, g_ = a.amax(-1), g.detach()
         m, m_ends = m0.detach(), []
         for c in range(g.shape[-1]):
-            m = torch.maximum(g_[..., c] + m, a_max[..., c])
+            m_in = m if carry is None else torch.where(carry[..., c], m, 0.0)
+            m = torch.maximum(g_[..., c] + m_in, a_max[..., c])
             m_ends.append(m)
         m_end = torch.stack(m_ends, dim=-1)  # [B, H, N]
     # m0 keeps its gradient: as part of the initial state it scales what the state stands for (C = C~ exp(m)).
     m_start = torch.cat([m0[..., None], m_end[..., :-1]], dim=-1)
-    decay = torch.exp(g + m_start - m_end)  # [B, H, N], <= 1
+    if carry is None:
+        decay = torch.exp(g + m_start - m_end)  # [B, H, N], <= 1
+    else:  # where a reset drops C~p, m_end >= g + 0: the unused branch stays <= 1 (no inf meets the zero gradient)
+        decay = torch.where(carry, torch.exp(g + torch.where(carry, m_start, 0.0) - m_end), 0.0)
     k_to_end = k * torch.exp(a - m_end[..., None])[..., None]  # [B, H, N, L, K]
     C_writes = torch.einsum("bhnlk,bhnlv->bhnkv", k_to_end, v)
     n_writes = k_to_end.sum(-2)
@@ -195,13 +239,18 @@ def _chunk_states(k, v, b, log_d, state):
     return torch.stack(C_start, dim=2), torch.stack(n_start, dim=2), m_start, (C, n, m_end[..., -1])
 
 
-def _chunk_outputs(q, k, v, b, log_d, C_start, n_start, m_start, eps):
-    """Outputs of all chunks at once, intra-chunk (masked, gated q k^T) plus the entering state: [B, H, N, L, V]."""
-    log_inter = b + m_start[..., None]  # [B, H, N, L], log-weight of the entering state at step i
+def _chunk_outputs(q, k, v, b, log_d, C_start, n_start, m_start, eps, enter=None):
+    """Outputs of all chunks at once, intra-chunk (masked, gated q k^T) plus the entering state: [B, H, N, L, V].
+
+    Rows past a reset (enter False) take the zero state's m = 0 in place of m_start and nothing from C~p, n~p."""
+    m_in = m_start[..., None] if enter is None else torch.where(enter, m_start[..., None], 0.0)
+    log_inter = b + m_in  # [B, H, N, L], log-weight of the entering state at step i
     with torch.no_grad():
         m = torch.maximum(log_d.amax(-1), log_inter)  # row stabiliser m_i
     gated = torch.einsum("bhnik,bhnjk->bhnij", q, k) * torch.exp(log_d - m[..., None])
     inter = torch.exp(log_inter - m)  # <= 1
+    if enter is not None:
+        inter = torch.where(enter, inter, 0.0)
     num = gated @ v + inter[..., None] * torch.einsum("bhnik,bhnkv->bhniv", q, C_start)
     den = gated.sum(-1) + inter * torch.einsum("bhnik,bhnk->bhni", q, n_start)
     return num / _denominator(den, m, eps)[..., None]
@@ -212,9 +261,10 @@ def _denominator(den: torch.Tensor, m: torch.Tensor, eps: float) -> torch.Tensor
     return torch.maximum(den.abs(), torch.exp(-m)) + eps
 
 
-def _check_inputs(q, k, v, i_pre, f_pre, initial_state) -> None:
-    """Contract shapes: q, k [B, T, H, K], v [B, T, H, V], gates [B, T, H], state (C~, n~, m) or None."""
-    check_shapes(q, k, v, None, i_pre=i_pre, f_pre=f_pre)
+def _check_inputs(q, k, v, i_pre, f_pre, initial_state, reset=None) -> None:
+    """Contract shapes: q, k [B, T, H, K], v [B, T, H, V], gates [B, T, H], state (C~, n~, m) or None, reset [B, T]
+    bool or None."""
+    check_shapes(q, k, v, None, reset=reset, i_pre=i_pre, f_pre=f_pre)
     if initial_state is None:
         return
     B, _, H, K = q.shape
@@ -236,7 +286,7 @@ def _initial_state(initial_state, q, V, dtype) -> MLSTMState:
 # optional mlstm_kernels (Triton) backend
 
 
-def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size) -> bool:
+def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset=None) -> bool:
     """Resolve `backend`: True to call mlstm_kernels, False for the torch code. "mlstm_kernels" raises if it cannot."""
     if backend not in BACKENDS:
         raise ValueError(f"mlstm: backend must be one of {BACKENDS}, got {backend!r}")
@@ -244,23 +294,26 @@ def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size) -> bool:
         return False
     if backend == "auto" and q.dtype not in _KERNEL_AUTO_DTYPES:
         return False
-    reason = _kernel_unusable_reason(q, k, v, initial_state, chunk_size)
+    reason = _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset)
     if reason is not None and backend == "mlstm_kernels":
         raise RuntimeError(f"mlstm: backend='mlstm_kernels' cannot run this call: {reason}; use backend='torch'")
     return reason is None
 
 
-def _kernel_unusable_reason(q, k, v, initial_state, chunk_size) -> str | None:
+def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> str | None:
     """Why mlstm_kernels' chunkwise--triton_xl_chunk (checked against mlstm_kernels 2.0.6) cannot take this call.
 
     Its limits: CUDA; float32/bf16/fp16; T a multiple of 16, and either T in {16, 32, 64} (it then uses T as the
     chunk) or the chunk a power of two dividing T; head dims for tensor-core tiles (multiples of 16 here, to be safe).
     Its backward returns zero gradients for the initial n~ and m, so initial states that need gradients stay on torch.
+    It has no varlen support, so calls with a reset stay on torch.
     Known differences from the torch code (not checked here): it takes log(sigmoid(f_pre)), which is -inf below about
     -88 in float32; it forms the chunk's state update k^T v in the input dtype; its backward ignores gradients
     flowing into the final n~ and m; and its float32 matmuls may use TF32.
     """
     T, K, V = q.shape[1], q.shape[-1], v.shape[-1]
+    if reset is not None:
+        return "it has no reset / varlen support"
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "it needs CUDA tensors"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
