@@ -18,7 +18,16 @@ def model_of(path: Path) -> LMConfig:
     return parse_run_config(["--config", str(path)])[0].model
 
 
-RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name != "bench")  # bench/: a benchmark's settings
+# bench/ and compare/ hold a command's settings (`--config` of `lm bench ...` or `lm compare ...`), not run configs.
+RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "compare"))
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "compare").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_comparison_config_parses_as_its_commands_options(path):
+    from lm.cli import function_parser, load_command
+
+    command = f"compare {path.stem}"
+    assert function_parser(load_command(command), command).parse_args(["--config", str(path)])
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ STRATEGIES = {
     "fsdp2": ["--strategy.name", "fsdp", "--strategy.devices", "2"],
 }
 ONE_PROCESS = ["--data.micro_batch", "4"]  # the same global batch of 4 sequences as 2 processes x 2
+# The continuations from a run's step-2 checkpoint: name -> (the run, the flags of the launch that continues it).
+RESUMES = {**{strategy: (strategy, flags) for strategy, flags in STRATEGIES.items()},
+           "ddp in one process": ("ddp", ONE_PROCESS), "zero2 in one process": ("zero2", ONE_PROCESS)}
 
 
 def base_config(tmp: Path, data: str, steps: int = 4, ckpt_every: int = 2) -> Path:
@@ -49,21 +53,21 @@ def lm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "lm.cli", *args]
 
 
-def environment() -> dict:
-    # One thread per process: two processes share the two cores.
+def environment(slot: int = 0) -> dict:
+    # One thread per process: two processes share the two cores. Launches that run at once take different slots.
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-            "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+            "MASTER_PORT": str(29500 + os.getpid() % 1000 + 1000 * slot)}
 
 
-def lm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(lm_command(*args), env=environment(), capture_output=True, text=True, timeout=600)
+def lm(*args: str, check: bool = True, slot: int = 0) -> subprocess.CompletedProcess:
+    result = subprocess.run(lm_command(*args), env=environment(slot), capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"lm {' '.join(args)} -> {result.returncode}\n{result.stderr[-3000:]}")
     return result
 
 
-def train(config: Path, run_dir: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check)
+def train(config: Path, run_dir: Path, *flags: str, check: bool = True, slot: int = 0) -> subprocess.CompletedProcess:
+    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check, slot=slot)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -83,18 +87,47 @@ def exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(kjv_data, tmp_path_factory) -> dict[str, Path]:
-    """4 steps of each strategy (checkpoints at 2 and 4), and of one process."""
+    """4 steps of each strategy (checkpoints at 2 and 4), and of one process. Two launches at a time: while one
+    launch's processes import and meet, a core would wait."""
     tmp = tmp_path_factory.mktemp("scale_out")
     config = base_config(tmp, kjv_data)
-    done = {"config": config}
-    for name, flags in {"single": ONE_PROCESS, **STRATEGIES}.items():
-        train(config, tmp / name, *flags)
-        done[name] = tmp / name
-    return done
+    launches = {"single": ONE_PROCESS, **STRATEGIES}
+    with ThreadPoolExecutor(2) as pool:
+        slots = iter(range(len(launches)))  # a port each: two DDP launches at once must not meet
+        for future in [pool.submit(train, config, tmp / name, *flags, slot=next(slots))
+                       for name, flags in launches.items()]:
+            future.result()
+    return {"config": config, **{name: tmp / name for name in launches}}
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Each of RESUMES: a copy of its run without the step-4 checkpoint, continued to step 4: (run directory,
+    launch). Two launches at a time, as in `runs`; each test checks the launch it uses (`continued`)."""
+    tmp = tmp_path_factory.mktemp("resumed")
+
+    def resume(name: str, slot: int) -> tuple[Path, subprocess.CompletedProcess]:
+        source, flags = RESUMES[name]
+        run_dir = tmp / name.replace(" ", "-")
+        shutil.copytree(runs[source], run_dir)
+        newest = run_dir / "checkpoints" / "step=00000004.ckpt"  # a file, or a directory of shards
+        shutil.rmtree(newest) if newest.is_dir() else newest.unlink()
+        return run_dir, train(runs["config"], run_dir, *flags, check=False, slot=slot)
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(resume, name, slot) for slot, name in enumerate(RESUMES)}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def continued(resumed: dict, name: str) -> Path:
+    """The run directory of a continuation that completed."""
+    run_dir, result = resumed[name]
+    assert result.returncode == 0, f"lm train ({name}) -> {result.returncode}\n{result.stderr[-3000:]}"
+    return run_dir
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, strategy, tmp_path):
+def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, resumed, strategy, tmp_path):
     single, run_dir = runs["single"], runs[strategy]
     assert losses(run_dir) == pytest.approx(losses(single), rel=1e-5, abs=0)
     assert len(losses(run_dir)) == 4
@@ -110,36 +143,25 @@ def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, strategy
         torch.testing.assert_close(model(tokens)[0], reference(tokens)[0], rtol=0, atol=1e-5)
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
-    # Exact resume: drop the last checkpoint and continue from step 2 with the same strategy.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(run_dir, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step=00000004.ckpt", ignore_errors=True)
-    (resumed / "checkpoints" / "step=00000004.ckpt").unlink(missing_ok=True)
-    train(runs["config"], resumed, *STRATEGIES[strategy])
-    b = exported(resumed, tmp_path / "b")
+    # Exact resume: drop the last checkpoint and continue from step 2 with the same strategy (`resumed`).
+    b = exported(continued(resumed, strategy), tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_process_checkpoint_continues_in_one_process(runs, tmp_path):
-    resumed = tmp_path / "one"
-    shutil.copytree(runs["ddp"], resumed)
-    (resumed / "checkpoints" / "step=00000004.ckpt").unlink()
-    train(runs["config"], resumed, *ONE_PROCESS)
-    a, b = exported(runs["ddp"], tmp_path / "a"), exported(resumed, tmp_path / "b")
+def test_two_process_checkpoint_continues_in_one_process(runs, resumed, tmp_path):
+    a = exported(runs["ddp"], tmp_path / "a")
+    b = exported(continued(resumed, "ddp in one process"), tmp_path / "b")
     for k in a:  # the same windows in the same order; only the reduction order differs
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
 
-def test_deepspeed_checkpoint_resumes_elsewhere_with_weights_alone(runs, tmp_path):
-    resumed = tmp_path / "elsewhere"
-    shutil.copytree(runs["zero2"], resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step=00000004.ckpt")
-    result = train(runs["config"], resumed, *ONE_PROCESS)
-    assert "resuming with its weights and a fresh optimizer state" in result.stderr
-    assert step_checkpoints(resumed / "checkpoints")[0].name == "step=00000004.ckpt"
+def test_deepspeed_checkpoint_resumes_elsewhere_with_weights_alone(resumed):
+    run_dir = continued(resumed, "zero2 in one process")
+    assert "resuming with its weights and a fresh optimizer state" in resumed["zero2 in one process"][1].stderr
+    assert step_checkpoints(run_dir / "checkpoints")[0].name == "step=00000004.ckpt"
 
 
-def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path):
+def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path, capsys, monkeypatch):
     damaged = tmp_path / "damaged"
     shutil.copytree(runs["zero2"], damaged)
     newest = damaged / "checkpoints" / "step=00000004.ckpt"
@@ -148,10 +170,14 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path)
     assert "bytes" in checkpoint_problem(newest)
     (damaged / "checkpoints" / "step=00000006.ckpt.tmp").mkdir()  # a save that never finished
 
-    explicit = train(runs["config"], damaged, "--resume", str(newest), *STRATEGIES["zero2"], check=False)
-    assert explicit.returncode == 2
-    assert explicit.stderr.strip().count("\n") == 0 and "Traceback" not in explicit.stderr
-    assert "zero_pp_rank_1" in explicit.stderr
+    # In this process: an explicit --resume is checked before any process is started (were it let through, fitting
+    # would start the second process from this one: it fails the test instead).
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *_, **__: pytest.fail("the damaged one was taken"))
+    assert main(["train", "--config", str(runs["config"]), "--run_dir", str(damaged), "--resume", str(newest),
+                 *STRATEGIES["zero2"]]) == 2
+    explicit = capsys.readouterr().err
+    assert explicit.strip().count("\n") == 0 and "Traceback" not in explicit
+    assert "zero_pp_rank_1" in explicit
 
     result = train(runs["config"], damaged, "--trainer.max_steps", "4", *STRATEGIES["zero2"])
     assert "skipping checkpoint" in result.stderr
@@ -160,22 +186,24 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path)
 
 
 def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data, tmp_path):
-    config = base_config(tmp_path, kjv_data, steps=80, ckpt_every=5)
+    steps = 40  # the stop lands a few steps after the first checkpoint (5)
+    config = base_config(tmp_path, kjv_data, steps=steps, ckpt_every=5)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    train(config, reference, *STRATEGIES["ddp"])
-
-    process = subprocess.Popen(lm_command("train", "--config", str(config), "--run_dir", str(stopped),
-                                          *STRATEGIES["ddp"]),
-                               env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not step_checkpoints(stopped / "checkpoints") and time.time() < deadline:
-        time.sleep(0.1)
-    process.send_signal(signal.SIGUSR1)
-    _, stderr = process.communicate(timeout=300)
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one stopped: both cores stay busy
+        uninterrupted = pool.submit(train, config, reference, *STRATEGIES["ddp"], slot=1)
+        process = subprocess.Popen(lm_command("train", "--config", str(config), "--run_dir", str(stopped),
+                                              *STRATEGIES["ddp"]),
+                                   env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not step_checkpoints(stopped / "checkpoints") and time.time() < deadline:
+            time.sleep(0.1)
+        process.send_signal(signal.SIGUSR1)
+        _, stderr = process.communicate(timeout=300)
+        uninterrupted.result()
     assert process.returncode == STOPPED_EXIT_CODE, stderr[-2000:]
     assert "stopped on request" in stderr
     step = int(step_checkpoints(stopped / "checkpoints")[0].name[5:13])
-    assert 5 <= step < 80
+    assert 5 <= step < steps
 
     train(config, stopped, *STRATEGIES["ddp"])
     a, b = exported(reference, tmp_path / "a"), exported(stopped, tmp_path / "b")

@@ -3,8 +3,10 @@ training job, the same job preempted with SIGUSR1 (checkpoint, requeue, resume, 
 two runs, an evaluation job, and the launch guards. The rendered script for 4 nodes x 8 GPUs is checked line by
 line without a cluster."""
 
+import contextlib
 import csv
 import fcntl
+import io
 import os
 import re
 import signal
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from lm.checkpoint import newest_checkpoint
+from lm.cli import main
 from lm.errors import UserError
 from lm.launch_guard import LOCK_NAME, check_slurm_launch
 from lm.stop_request import STOPPED_EXIT_CODE
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "slurm" / "local_cluster.sh"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED"}
-STEPS = 200
+STEPS = 100  # the stop lands a few steps after the first checkpoint (20), far from the last ones (80, 100)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,21 @@ def lm(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess
     return result
 
 
+def lm_here(env: dict, *args: str) -> str:
+    """`lm ARGS` in this process, in the environment `env` (which sbatch passes on to the job); its stdout. A fresh
+    process would import torch and Lightning again: seconds per call, for commands that take a fraction of one."""
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                patch.setenv(key, value)
+        code = main(list(args))
+    assert code == 0, f"lm {' '.join(args)} -> {code}"
+    return out.getvalue()
+
+
 def submit(env: dict, *args: str) -> str:
-    return lm(env, "slurm", "submit", *args).stdout.strip().splitlines()[-1]
+    return lm_here(env, "slurm", "submit", *args).strip().splitlines()[-1]
 
 
 def job_info(env: dict, job: str) -> dict:
@@ -150,7 +166,7 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_weights(clust
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and {p.name.rsplit("-", 1)[1] for p in wandb_runs} == \
         {(run_dir / "wandb_id").read_text()}  # both launches log to one wandb run
-    status = lm(cluster, "slurm", "status", str(run_dir)).stdout
+    status = lm_here(cluster, "slurm", "status", str(run_dir))
     assert re.search(rf"job {job}\s+train COMPLETED\s+restarts 1", status), status
     assert f"last logged step {STEPS - 1}; newest checkpoint step={STEPS:08d}.ckpt" in status
 
@@ -192,7 +208,8 @@ runs:
   - {{optim.lr: 1.0e-3, run_dir: {tmp_path}/lr1e-3}}
   - {{optim.lr: 3.0e-3, run_dir: {tmp_path}/lr3e-3}}
 """)
-    job = submit(cluster, "--array", str(sweep), "--job_dir", str(tmp_path / "sweep"))
+    # 1G each rather than the whole node (sbatch's default here): the two tasks run at once, as on a real cluster.
+    job = submit(cluster, "--array", str(sweep), "--job_dir", str(tmp_path / "sweep"), "--mem", "1G")
     for task, lr in ((0, "1e-3"), (1, "3e-3")):
         info = wait_until_ended(cluster, f"{job}_{task}")
         run_dir = tmp_path / f"lr{lr}"
@@ -394,9 +411,9 @@ def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
 
     out, mixer = tmp_path / "grid", sorted(MIXERS)[0]
     command = ["mqar-grid", "--quick", "true", "--mixers", f"[{mixer}]", "--out", str(out)]
-    tasks = lm(cluster, "eval", *command, "--cell", "-1").stdout.strip()
+    tasks = lm_here(cluster, "eval", *command, "--cell", "-1").strip()
     assert tasks == "2"
-    job = submit(cluster, "--kind", "eval", "--tasks", tasks, "--gpus_per_node", "0", "--", *command)
+    job = submit(cluster, "--kind", "eval", "--tasks", tasks, "--gpus_per_node", "0", "--mem", "1G", "--", *command)
     for task in range(2):
         info = wait_until_ended(cluster, f"{job}_{task}")
         assert info["JobState"] == "COMPLETED", (out / "slurm" / f"array-{job}_{task}.err").read_text()[-3000:]

@@ -81,15 +81,16 @@ def plot(curves: dict[tuple[str, str], dict[int, float]], path: Path, title: str
     plt.close(fig)
 
 
-def compare_documents(out: str = "runs/compare-documents", mixers: list[str] = ["attention", "gated_deltanet",  # noqa: B006
-                      "mamba2"], seeds: list[int] = [0, 1], steps: int = 300, seq_len: int = 256,  # noqa: B006
+def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | None = None,
+                      seeds: list[int] = [0, 1], steps: int = 300, seq_len: int = 256,  # noqa: B006
                       global_batch: int = 16, d_model: int = 64, n_layers: int = 2, vocab_size: int = 2048,
                       data: str | None = None, workers: int = 2, eval_windows: int | None = None) -> dict:
     """Every mixer given, trained with and without resets at document boundaries, and evaluated on the same axis.
 
     Args:
         out: Where everything goes (see the module docstring).
-        mixers: Registered mixer names, each a model of its own.
+        mixers: Registered mixer names, each a model of its own (default: every one; docs/documents.md's demo names
+            three in configs/compare/documents.yaml).
         seeds: Seeds of every setting (initialisation and data order); the table gives their range.
         steps: Optimizer steps of every run.
         seq_len: Training sequence length (the bundled corpus' documents are chapters of about a thousand tokens).
@@ -103,6 +104,7 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] = [
     from lm.mixers import MIXERS
 
     start = time.perf_counter()
+    mixers = list(MIXERS) if mixers is None else mixers
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown or not mixers:
         raise UserError(f"--mixers: unknown {', '.join(unknown) or 'none given'}; known: {', '.join(sorted(MIXERS))}")
