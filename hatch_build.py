@@ -1,12 +1,12 @@
-"""Build hook: the wheel (editable or not) puts eval/lm_eval_plugin's .pth file into site-packages, so that
-`lm_eval --model lm` finds lm's model once `lm` is installed (see eval/lm_eval_plugin/__init__.py)."""
+"""Build hook: the wheel (editable or not) puts lm/lm_startup.pth into site-packages, so that `lm_eval --model lm`
+and transformers' AutoModelForCausalLM find lm's models once `lm` is installed (see lm/startup.py)."""
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-PTH = "eval/lm_eval_plugin/lm_eval_model_lm.pth"
+PTH = "lm/lm_startup.pth"
 
 
 class CustomBuildHook(BuildHookInterface):
     def initialize(self, version, build_data):
         key = "force_include_editable" if version == "editable" else "force_include"
-        build_data[key][PTH] = "lm_eval_model_lm.pth"
+        build_data[key][PTH] = "lm_startup.pth"

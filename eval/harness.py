@@ -7,8 +7,6 @@ only: every mixer is causal, so a real token's logits never see the padding behi
 never fed a pad before real tokens. A batch of 4 scores what 4 batches of 1 score.
 """
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
@@ -17,32 +15,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
 from data_prep.tokenizer import separator
+from lm.checkpoint import load_with_tokenizer
 from lm.errors import UserError
-
-
-def tokenizer_path(checkpoint: str) -> Path:
-    """tokenizer.json of an `lm export` directory, or of the run a checkpoint (or run directory) belongs to."""
-    from lm.checkpoint import run_dir_of
-
-    path = Path(checkpoint)
-    if not path.exists():
-        raise UserError(f"checkpoint {checkpoint} not found")
-    tokenizer = path / "tokenizer.json" if (path / "model.safetensors").is_file() else run_dir_of(checkpoint) / \
-        "tokenizer.json"
-    if not tokenizer.is_file():
-        raise UserError(f"no tokenizer.json beside the checkpoint (looked for {tokenizer})")
-    return tokenizer
-
-
-def load_for_eval(checkpoint: str):
-    """(model, tokenizer) from a checkpoint, a run directory or an `lm export` directory."""
-    from lm.checkpoint import load_model
-    from lm.model import LanguageModel
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_path(checkpoint)))
-    if (Path(checkpoint) / "model.safetensors").is_file():
-        return LanguageModel.from_pretrained(checkpoint), tokenizer
-    return load_model(checkpoint)[0], tokenizer
 
 
 @register_model("lm")
@@ -63,7 +37,7 @@ class LMHarness(LM):
         if model is None:
             if checkpoint is None:
                 raise UserError("the lm model needs checkpoint=DIR in --model_args")
-            model, tokenizer = load_for_eval(checkpoint)
+            model, tokenizer = load_with_tokenizer(checkpoint)
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.sep = separator(tokenizer)[1]

@@ -172,3 +172,29 @@ def load_model(path: str | Path, map_location: str = "cpu"):
     model = LanguageModel(LMConfig(**hparams["model"]))
     model.load_state_dict(state_dict)
     return model.to(map_location).eval(), hparams
+
+
+def tokenizer_path(checkpoint: str | Path) -> Path:
+    """tokenizer.json of an `lm export` directory (either format), or of the run a checkpoint (or run directory)
+    belongs to."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UserError(f"checkpoint {checkpoint} not found")
+    exported = (path / "model.safetensors").is_file() or (path / "config.json").is_file()
+    tokenizer = path / "tokenizer.json" if exported else run_dir_of(checkpoint) / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise UserError(f"no tokenizer.json beside the checkpoint (looked for {tokenizer})")
+    return tokenizer
+
+
+def load_with_tokenizer(checkpoint: str | Path):
+    """(LanguageModel in eval mode, tokenizers.Tokenizer) from a checkpoint, a run directory or an `lm export`
+    directory of either format."""
+    from tokenizers import Tokenizer
+
+    from lm.model import LanguageModel
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path(checkpoint)))
+    if (Path(checkpoint) / "config.json").is_file():
+        return LanguageModel.from_pretrained(str(checkpoint)), tokenizer
+    return load_model(checkpoint)[0], tokenizer

@@ -39,6 +39,7 @@ COMMANDS = {
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
     "bench mesa-ablation": "bench.mesa_ablation:mesa_ablation",
     "bench ab": "bench.op_ab:bench_ab",
+    "bench hf-generate": "bench.hf_generate:bench_hf_generate",
     "slurm submit": "slurm.submit:submit_from_args",
     "slurm status": "slurm.status:slurm_status",
     "compare plan": "lm.compare.plan:plan",
@@ -57,7 +58,8 @@ USAGE = """usage: lm COMMAND [options]   (lm COMMAND --help for its options)
 commands:
   prepare      text files or a datasets dataset -> tokenizer + token shards
   train        fit a model from a YAML config (+ overrides); reruns in the same run_dir resume
-  export       a checkpoint of any strategy -> model.safetensors + config.json (LanguageModel.from_pretrained)
+  export       a checkpoint of any strategy -> model.safetensors + config.json (LanguageModel.from_pretrained);
+               --format hf: a Hugging Face directory (AutoModelForCausalLM, AutoTokenizer)
   eval ppl     perplexity and per-position NLL of a checkpoint on validation shards
   eval harness lm-evaluation-harness tasks or a suite (eval/suites: standard, recall, long) on a checkpoint
   eval longctx long-context probes generated here (passkey, needles, MQAR, variable tracking): accuracy by
@@ -74,6 +76,7 @@ commands:
   bench peers  lm vs litgpt's GPT (training step) and mlstm_kernels' native mLSTM (forward+backward), ratios
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
   bench ab     a sequence op of the working tree against the same op at a git revision: old / new time, one run
+  bench hf-generate  transformers' generate() on lm models against LanguageModel.generate: cache bytes, tokens/s
   bench mesa-ablation  Mesa's gate init, output gate, CG stopping and lr against Gated DeltaNet (~2 h on 2 cores)
   slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it
   slurm status  a run's SLURM jobs: state, restarts, last logged step, newest checkpoint

@@ -1,11 +1,9 @@
 """`lm generate`: sample a continuation of a prompt from a checkpoint, decoding with the carried state."""
 
 import torch
-from tokenizers import Tokenizer
 
 from data_prep.tokenizer import separator
-from lm.checkpoint import load_model, run_dir_of
-from lm.errors import UserError
+from lm.checkpoint import load_with_tokenizer
 
 
 def generate_text(checkpoint: str, prompt: str = "", max_new_tokens: int = 64, temperature: float = 0.8,
@@ -13,7 +11,7 @@ def generate_text(checkpoint: str, prompt: str = "", max_new_tokens: int = 64, t
     """Continue `prompt` with tokens sampled from the model of a checkpoint.
 
     Args:
-        checkpoint: A checkpoint file or a run directory (its newest checkpoint).
+        checkpoint: A checkpoint file, a run directory (its newest checkpoint) or an `lm export` directory.
         prompt: Text to continue; documents start after the separator token, so an empty prompt starts one.
         max_new_tokens: Upper bound on generated tokens.
         temperature: Sampling temperature; 0 is greedy.
@@ -21,13 +19,9 @@ def generate_text(checkpoint: str, prompt: str = "", max_new_tokens: int = 64, t
         top_p: Sample among the smallest set of tokens whose probability reaches p (None: all).
         seed: Seed of the sampler.
     """
-    model, _ = load_model(checkpoint)
-    path = run_dir_of(checkpoint) / "tokenizer.json"
-    if not path.exists():
-        raise UserError(f"no tokenizer.json beside the checkpoint (looked for {path})")
-    tokenizer = Tokenizer.from_file(str(path))
+    model, tokenizer = load_with_tokenizer(checkpoint)
     _, sep = separator(tokenizer)
-    ids = [sep] + tokenizer.encode(prompt).ids
+    ids = [sep] + tokenizer.encode(prompt, add_special_tokens=False).ids
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(torch.tensor([ids]), max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          eos_id=sep, generator=generator)

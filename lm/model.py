@@ -145,7 +145,9 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str) -> "LanguageModel":
-        """The model `lm export` wrote to `directory` (config.json + model.safetensors), in eval mode."""
+        """The model `lm export` wrote to `directory` (config.json + model.safetensors), in eval mode; either format:
+        lm's own, or Hugging Face's (`--format hf`: model_type "lm", the LMConfig under "lm", tensors under "model.").
+        """
         import json
         from pathlib import Path
 
@@ -155,8 +157,22 @@ class LanguageModel(nn.Module):
         for name in ("config.json", "model.safetensors"):
             if not (directory / name).is_file():
                 raise UserError(f"{directory / name} not found (write it with lm export)")
-        model = cls(LMConfig(**json.loads((directory / "config.json").read_text())))
-        model.load_state_dict(load_file(str(directory / "model.safetensors")))
+        try:
+            config, prefix = json.loads((directory / "config.json").read_text()), ""
+            if "model_type" in config:  # a Hugging Face directory
+                if config["model_type"] != "lm":
+                    raise UserError(f"{directory} holds a {config['model_type']!r} model, not an lm model")
+                config, prefix = config["lm"], "model."
+            model = cls(LMConfig(**config))
+            weights = load_file(str(directory / "model.safetensors"))
+            model.load_state_dict({k.removeprefix(prefix): v for k, v in weights.items()})
+        except UserError:
+            raise
+        except Exception as err:
+            # bad JSON, an unknown config key, a damaged safetensors file (its own error class), tensors of other
+            # names or shapes
+            reason = str(err).strip().splitlines()
+            raise UserError(f"cannot load {directory}: {' '.join(reason[:2])[:300]}") from None
         return model.eval()
 
     def mixer_metrics(self) -> dict[str, torch.Tensor]:

@@ -216,18 +216,56 @@ def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(tra
                 assert cli[task][metric] == pytest.approx(value, rel=1e-6), (task, metric)
 
 
-def run_lm_eval_cli(run: Path, include_path: Path, tasks: list[str]) -> dict:
-    """`lm_eval --model lm ...` in a subprocess; its results.json."""
+def run_lm_eval_cli(run: Path, include_path: Path, tasks: list[str], model: str = "lm") -> dict:
+    """`lm_eval --model lm ...` (or `--model hf` on a Hugging Face directory) in a subprocess; its results.json."""
     import subprocess
     import sys
 
-    out = include_path / "cli-out"
+    out = include_path / f"cli-out-{model}"
+    model_args = f"checkpoint={run}" if model == "lm" else f"pretrained={run},dtype=float32"
     lm_eval_cli = Path(sys.executable).parent / "lm_eval"
-    subprocess.run([str(lm_eval_cli), "--model", "lm", "--model_args", f"checkpoint={run}", "--batch_size", "4",
-                    "--device", "cpu", "--tasks", ",".join(tasks), "--include_path", str(include_path),
-                    "--output_path", str(out)], check=True, capture_output=True)
+    done = subprocess.run([str(lm_eval_cli), "--model", model, "--model_args", model_args, "--batch_size", "4",
+                           "--device", "cpu", "--tasks", ",".join(tasks), "--include_path", str(include_path),
+                           "--output_path", str(out), "--log_samples"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
     (results,) = out.rglob("results*.json")
-    return json.loads(results.read_text())["results"]
+    samples = {task: [json.loads(line) for line in next(out.rglob(f"samples_{task}_*.jsonl")).open()]
+               for task in tasks}
+    return {**json.loads(results.read_text())["results"], "samples": samples}
+
+
+def test_lm_evals_hf_model_scores_the_hf_export_as_the_lm_model_scores_the_checkpoint(trained_run, fixture_tasks,
+                                                                                     tmp_path):
+    """`lm export --format hf`, then lm-eval's own `hf` model on the directory (transformers finds the classes
+    through the start-up hook): the multiple-choice accuracies and the generations score as `--model lm` does."""
+    import shutil
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from lm.cli import main
+
+    without_tokenizer = shutil.copytree(trained_run, tmp_path / "run", ignore=shutil.ignore_patterns("tokenizer.json"))
+    assert main(["export", "--checkpoint", str(without_tokenizer), "--out", str(tmp_path / "x"), "--format", "hf"]) == 2
+    assert not (tmp_path / "x").exists()
+    assert main(["export", "--checkpoint", str(trained_run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    tasks = ["lm_fixture_choice", "lm_fixture_generate"]
+    hf = run_lm_eval_cli(tmp_path / "hf", fixture_tasks, tasks, model="hf")
+    ours = lm_eval.simple_evaluate(
+        model="lm", model_args=f"checkpoint={trained_run},batch_size=4", tasks=tasks, bootstrap_iters=0,
+        log_samples=True, task_manager=TaskManager(include_path=str(fixture_tasks), include_defaults=False))
+    for task, metric in (("lm_fixture_choice", "acc,none"), ("lm_fixture_choice", "acc_norm,none"),
+                         ("lm_fixture_generate", "exact_match,none")):
+        assert hf[task][metric] == ours["results"][task][metric], (task, metric)
+    # Not only the accuracies: each choice's log-likelihood (lm-eval writes them as strings) and each generation.
+    for task in tasks:
+        theirs = {s["doc_id"]: s["filtered_resps"] for s in hf["samples"][task]}
+        for sample in ours["samples"][task]:
+            if task == "lm_fixture_choice":
+                assert [float(r[0]) for r in theirs[sample["doc_id"]]] == pytest.approx(
+                    [r[0] for r in sample["filtered_resps"]], rel=1e-5)
+            else:
+                assert theirs[sample["doc_id"]] == sample["filtered_resps"]
 
 
 def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixture_tasks):

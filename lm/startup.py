@@ -1,0 +1,79 @@
+"""What installing `lm` registers at interpreter start, so that other tools find lm models without importing lm:
+
+- lm-eval's model `lm` (`lm_eval --model lm --model_args checkpoint=DIR`), as "eval.harness:LMHarness";
+- transformers' `AutoConfig` and `AutoModelForCausalLM` for model_type "lm" (the directories `lm export --format hf`
+  writes), so that `AutoModelForCausalLM.from_pretrained(DIR)` and lm-eval's `hf` model load them.
+
+Neither library reads entry points for this, so installing `lm` adds a .pth file (`lm_startup.pth`, see
+hatch_build.py) that calls `install()` at interpreter start. It only adds an import finder: nothing of lm-eval,
+transformers or torch is imported until the library itself is. When one of the modules below is first imported, the
+finder runs its registration right after it. lm-eval's own models are registered first (its get_model loads them only
+while the registry is empty).
+"""
+
+import sys
+
+
+def register_lm_eval_model(registry_module) -> None:
+    import lm_eval.models  # noqa: F401  (registers lm-eval's own models)
+
+    if "lm" not in registry_module.model_registry:
+        registry_module.model_registry.register("lm", target="eval.harness:LMHarness")
+
+
+def register_hf_config(configuration_auto) -> None:
+    from lm.hf.config import MODEL_TYPE, LMHFConfig
+
+    configuration_auto.AutoConfig.register(MODEL_TYPE, LMHFConfig, exist_ok=True)
+
+
+def register_hf_model(modeling_auto) -> None:
+    from lm.hf.config import LMHFConfig
+    from lm.hf.model import LMForCausalLM
+
+    modeling_auto.AutoModelForCausalLM.register(LMHFConfig, LMForCausalLM, exist_ok=True)
+
+
+# module name -> what to register once it has been imported
+HOOKS = {
+    "lm_eval.api.registry": register_lm_eval_model,
+    "transformers.models.auto.configuration_auto": register_hf_config,
+    "transformers.models.auto.modeling_auto": register_hf_model,
+}
+
+
+class RegisterOnImport:
+    """A sys.meta_path finder that finds nothing itself; it wraps the loader of each module in HOOKS so that its
+    registration runs right after it. (Not an importlib.abc subclass: importing that would cost every start.)"""
+
+    def __init__(self):
+        self.pending = dict(HOOKS)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        register = self.pending.pop(name)  # once is enough, and find_spec below must not find us again
+        if not self.pending:
+            sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            register(module)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def install() -> None:
+    finder = RegisterOnImport()
+    for name in list(finder.pending):
+        if name in sys.modules:  # imported before us (a .pth file that sorts earlier)
+            finder.pending.pop(name)(sys.modules[name])
+    if finder.pending and not any(isinstance(f, RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, finder)

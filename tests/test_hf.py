@@ -1,0 +1,214 @@
+"""The Hugging Face format (lm/hf): every mixer and hybrid loads through AutoModelForCausalLM in a fresh process with
+the logits of LanguageModel, greedy `generate` is `LanguageModel.generate`, left padding changes no real token, the
+cache of a recurrent mixer stays the same size while an attention cache grows, and bad directories are one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from configs.paper_sizes import HYBRIDS
+from lm.hf.cache import LMCache
+from lm.hf.export import save_hf
+from lm.hf.model import padding_resets
+from lm.mixers import MIXERS
+from lm.model import LanguageModel, LMConfig
+
+ARCHS = {**{name: None for name in MIXERS}, **HYBRIDS}  # name -> layer pattern
+TEXTS = ["In the beginning God created the heaven and the earth.", "And God said"]
+
+
+def tiny_config(arch: str, **options) -> LMConfig:
+    pattern = ARCHS[arch]
+    return LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=64,
+                    mixer=pattern.split(",")[0] if pattern else arch, layer_pattern=pattern, **options)
+
+
+def export_tiny(config: LMConfig, out: Path, tokenizer: Path) -> Path:
+    torch.manual_seed(0)
+    return save_hf(LanguageModel(config).state_dict(), config, out, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def exported(kjv_data, tmp_path_factory) -> dict[str, Path]:
+    """A randomly initialised tiny model of every mixer and hybrid, written with save_hf (what `lm export --format
+    hf` calls; test_harness.py exports a trained checkpoint through the command)."""
+    folder = tmp_path_factory.mktemp("hf")
+    return {arch: export_tiny(tiny_config(arch), folder / arch, Path(kjv_data) / "tokenizer.json") for arch in ARCHS}
+
+
+FRESH_PROCESS = """
+import sys, torch
+assert "lm.model" not in sys.modules and "lm.hf.model" not in sys.modules
+from transformers import AutoModelForCausalLM, AutoTokenizer
+for directory in sys.argv[1:]:
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.save({"ids": ids, "logits": model(ids).logits}, directory + "/hf.pt")
+    print(type(model).__name__, model.training)
+"""
+
+
+def test_every_mixer_and_hybrid_loads_through_the_auto_classes_with_languagemodels_logits(exported):
+    """In a fresh process that imports nothing of lm: the classes come from the start-up hook that installing lm
+    adds. The logits equal LanguageModel's on the same weights (loaded here by LanguageModel.from_pretrained)."""
+    code = FRESH_PROCESS.replace("TEXT", repr(TEXTS[0]))
+    run = subprocess.run([sys.executable, "-c", code, *map(str, exported.values())], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split("\n")[:len(exported)] == ["LMForCausalLM False"] * len(exported)
+    for arch, directory in exported.items():
+        saved = torch.load(directory / "hf.pt")
+        model = LanguageModel.from_pretrained(str(directory))
+        sep = AutoTokenizer.from_pretrained(directory).bos_token_id
+        assert saved["ids"][0, 0].item() == sep  # the tokenizer starts every text with the separator, as lm does
+        with torch.no_grad():
+            expected = model(saved["ids"])[0]
+        torch.testing.assert_close(saved["logits"], expected, rtol=0, atol=1e-5, msg=arch)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_generate_is_languagemodels_generate(exported, arch):
+    """20 tokens at temperature 0: the same tokens as LanguageModel.generate, and at every step the logits that
+    LanguageModel gives the whole sequence at once (so the HF cache carries the whole state, not just the token)."""
+    model = AutoModelForCausalLM.from_pretrained(exported[arch])
+    tokenizer = AutoTokenizer.from_pretrained(exported[arch])
+    ids = tokenizer(TEXTS[1], return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    reference = LanguageModel.from_pretrained(str(exported[arch]))
+    expected = reference.generate(ids, 20, temperature=0, eos_id=tokenizer.eos_token_id)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.sequences.shape[1] == ids.shape[1] + 20  # no early separator: all 20 steps were compared
+    with torch.no_grad():
+        whole = reference(out.sequences)[0][0, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(torch.cat(out.logits), whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_a_left_padded_batch_gives_each_row_its_own_logits_in_prefill_and_decoding(exported, arch):
+    model = AutoModelForCausalLM.from_pretrained(exported[arch])
+    tokenizer = AutoTokenizer.from_pretrained(exported[arch], padding_side="left")
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    assert not batch["attention_mask"][1].all()  # the second row is padded
+    next_token = torch.tensor([[5], [7]])
+    with torch.no_grad():
+        padded = model(**batch)
+        mask = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], dim=1)
+        padded_next = model(next_token, attention_mask=mask, cache=padded.cache).logits
+        for row, text in enumerate(TEXTS):
+            alone = model(**tokenizer(text, return_tensors="pt"))
+            n = alone.logits.shape[1]
+            torch.testing.assert_close(padded.logits[row, -n:], alone.logits[0], rtol=0, atol=1e-5)
+            alone_next = model(next_token[row:row + 1], cache=alone.cache).logits
+            torch.testing.assert_close(padded_next[row], alone_next[0], rtol=0, atol=1e-5)
+
+
+def test_padding_resets_only_left_padded_rows_and_refuses_holes():
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 0, 0]])
+    assert padding_resets(mask).tolist() == [[False] * 4, [False, False, True, False], [False] * 4]
+    assert padding_resets(torch.ones(2, 3, dtype=torch.long)) is None
+    with pytest.raises(ValueError, match="between real tokens"):
+        padding_resets(torch.tensor([[1, 0, 1]]))
+
+
+def test_labels_give_the_mean_next_token_cross_entropy(exported):
+    model = AutoModelForCausalLM.from_pretrained(exported["gated_deltanet"])
+    ids = AutoTokenizer.from_pretrained(exported["gated_deltanet"])(TEXTS[0], return_tensors="pt")["input_ids"]
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = model(ids, labels=labels)
+    expected = F.cross_entropy(out.logits[0, :-1], labels[0, 1:], ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+
+
+def cache_sizes_while_generating(model, ids, tokens: int) -> list[int]:
+    """LMCache.nbytes after every forward call of model.generate (the prefill, then one call per token)."""
+    sizes = []
+    hook = model.register_forward_hook(lambda module, args, out: sizes.append(out.cache.nbytes()))
+    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    hook.remove()
+    return sizes
+
+
+def test_a_recurrent_cache_stays_one_size_while_attentions_grows_and_a_windows_stops_growing(exported, kjv_data,
+                                                                                              tmp_path):
+    ids = AutoTokenizer.from_pretrained(exported["mamba2"])(TEXTS[1], return_tensors="pt")["input_ids"]
+    for arch in ("mamba2", "gated_deltanet", "mesa", "mlstm", "hawk"):
+        sizes = cache_sizes_while_generating(AutoModelForCausalLM.from_pretrained(exported[arch]), ids, 24)
+        assert len(sizes) == 24 and len(set(sizes)) == 1, (arch, sizes)
+    sizes = cache_sizes_while_generating(AutoModelForCausalLM.from_pretrained(exported["attention"]), ids, 24)
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (k, v) x heads x head_dim x float32 bytes
+    assert [b - a for a, b in zip(sizes, sizes[1:])] == [per_token] * 23
+    window = export_tiny(tiny_config("swa", mixer_options={"swa": {"window": 8}}), tmp_path / "swa",
+                         Path(kjv_data) / "tokenizer.json")
+    sizes = cache_sizes_while_generating(AutoModelForCausalLM.from_pretrained(window), ids, 24)
+    assert sizes[-1] == sizes[-2] == sizes[-10] < sizes[0] + 24 * per_token
+
+
+def test_sampling_and_beam_search_run_and_return_the_cache(exported):
+    model = AutoModelForCausalLM.from_pretrained(exported["hawk_mesa"])
+    ids = AutoTokenizer.from_pretrained(exported["hawk_mesa"])(TEXTS[1], return_tensors="pt")["input_ids"]
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=20,
+                             return_dict_in_generate=True)
+    assert sampled.sequences.shape == (1, ids.shape[1] + 6) and isinstance(sampled.cache, LMCache)
+    assert sampled.cache.get_seq_length() == ids.shape[1] + 5  # the last token is returned, not yet fed
+    beams = model.generate(ids, max_new_tokens=6, min_new_tokens=6, num_beams=3, num_return_sequences=2)
+    assert beams.shape == (2, ids.shape[1] + 6)
+
+
+def test_a_model_made_from_the_config_has_languagemodels_initialisation(exported):
+    from transformers import AutoConfig
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(exported["mesa"]))
+    torch.manual_seed(0)
+    reference = LanguageModel(tiny_config("mesa"))
+    for (name, ours), theirs in zip(model.model.state_dict().items(), reference.state_dict().values()):
+        assert ours.std().item() == pytest.approx(theirs.std().item(), rel=0.5, abs=1e-6), name
+
+
+def test_lm_generate_reads_the_hf_directory_and_bad_ones_are_one_line(exported, tmp_path, capsys):
+    from lm.cli import main
+
+    generate = ["generate", "--prompt", TEXTS[1], "--max_new_tokens", "20", "--temperature", "0", "--checkpoint"]
+    assert main([*generate, str(exported["attention"])]) == 0
+    # `lm generate` at temperature 0 writes the text that HF's greedy generate() decodes to.
+    model = AutoModelForCausalLM.from_pretrained(exported["attention"])
+    tokenizer = AutoTokenizer.from_pretrained(exported["attention"])
+    out = model.generate(**tokenizer(TEXTS[1], return_tensors="pt"), max_new_tokens=20, do_sample=False)
+    assert capsys.readouterr().out.strip() == tokenizer.decode(out[0], skip_special_tokens=True).strip()
+    expected_text = {"missing": "model.safetensors not found", "other type": "holds a 'llama' model, not an lm model",
+                     "shape": "cannot load", "damaged": "cannot load"}
+    for case, expected in expected_text.items():
+        broken = shutil.copytree(exported["attention"], tmp_path / case.replace(" ", "-"))
+        config = json.loads((broken / "config.json").read_text())
+        if case == "missing":
+            (broken / "model.safetensors").unlink()
+        elif case == "other type":
+            config["model_type"] = "llama"
+        elif case == "shape":
+            config["lm"]["d_model"] = 48
+        else:
+            weights = (broken / "model.safetensors").read_bytes()
+            (broken / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+        (broken / "config.json").write_text(json.dumps(config))
+        code, lines = main([*generate, str(broken)]), capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (case, lines)
+
+
+def test_bench_hf_generate_reports_a_flat_recurrent_cache_and_a_growing_kv_cache(tmp_path):
+    from bench.hf_generate import bench_hf_generate
+
+    result = bench_hf_generate(mixers=["attention", "deltanet"], prompt=4, tokens=5, d_model=32, n_layers=1,
+                               n_heads=2, head_dim=16, vocab_size=64, repeats=1, json_out=str(tmp_path / "b.json"))
+    rows = {row["mixer"]: row for row in result["rows"]}
+    assert rows["attention"]["bytes_per_generated_token"] == 2 * 2 * 16 * 4  # (k, v) x heads x head_dim x float32
+    assert rows["deltanet"]["bytes_per_generated_token"] == 0
+    assert all(row["same_tokens"] and row["hf_over_lm_time"] > 0 for row in rows.values())
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == result["rows"]
