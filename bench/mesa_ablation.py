@@ -126,7 +126,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
     """
     import os
 
-    from lm.compare.demo import base_config, prepared_data, run_jobs, train_and_evaluate
+    from lm.compare.demo import base_config, check_out_and_data, prepared_data, run_jobs, train_and_evaluate
     from lm.compare.report import report
 
     variants, seeds = load_variants(Path(settings))
@@ -137,8 +137,11 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
                         ("workers", workers)):
         if value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
+    if val_windows is not None and val_windows < 1:
+        raise UserError(f"--val_windows must be at least 1, got {val_windows}")
     start = time.perf_counter()
     out_dir = Path(out)
+    check_out_and_data(out_dir, data, vocab_size)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     base = base_config(data, vocab, seq_len, global_batch, val_windows)

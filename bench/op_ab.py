@@ -50,8 +50,13 @@ def bench_ab(rev: str, mixers: list[str] | None = None, lengths: list[int] = [51
     """
     if repeats < 1 or batch < 1 or any(T < 1 for T in lengths):
         raise UserError("--repeats, --batch and --lengths must be positive")
+    known = bench_mixer_names()
+    mixers = known if mixers is None else mixers
+    unknown = [m for m in mixers if m not in known]
+    if unknown:
+        raise UserError(f"--mixers: {', '.join(unknown)} has no op to compare; one of {', '.join(known)}")
     rows = []
-    for mixer in bench_mixer_names() if mixers is None else mixers:
+    for mixer in mixers:
         for T in lengths:
             call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
             op, args = call.op, call.args

@@ -19,6 +19,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+VOCAB = 4096  # rows of the benchmark's embedding: the data's vocabulary must fit
 STRATEGIES = {"ddp": ["--strategy.name", "ddp"],
               "zero2": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2"],
               "zero3": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "3"],
@@ -82,12 +83,24 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
         n_layers: Blocks.
         out: Also write the rows as JSON here.
     """
+    from data_prep.shards import load_manifest
+    from lm.errors import UserError
+
+    vocab = load_manifest(data, verify=False)["tokenizer"]["vocab_size"]
+    if vocab > VOCAB:
+        raise UserError(f"--data {data} has a vocabulary of {vocab}; the benchmark's model has {VOCAB} rows")
+    if d_model < 64 or d_model % 64 or n_layers < 1:
+        raise UserError(f"--d_model must be a multiple of 64 (heads of 64) and --n_layers at least 1, got {d_model} "
+                        f"and {n_layers}")
+    if out is not None and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
+        raise UserError(f"--out {out}: not a file in an existing folder")
     rows = []
     for name, flags in STRATEGIES.items():
         with tempfile.TemporaryDirectory() as tmp:
             argv = [tmp, "--run_dir", f"{tmp}/run", "--seed", "0",
-                    "--model.vocab_size", "4096", "--model.d_model", str(d_model), "--model.n_layers", str(n_layers),
-                    "--model.n_heads", str(d_model // 64), "--model.head_dim", "64", "--model.max_seq_len", "64",
+                    "--model.vocab_size", str(VOCAB), "--model.d_model", str(d_model),
+                    "--model.n_layers", str(n_layers), "--model.n_heads", str(d_model // 64), "--model.head_dim", "64",
+                    "--model.max_seq_len", "64",
                     "--data.path", data, "--data.seq_len", "64", "--data.micro_batch", "2", "--data.num_workers", "0",
                     "--trainer.max_steps", "2", "--trainer.ckpt_every", "1000", "--trainer.val_every", "1000",
                     "--trainer.progress_bar", "false", "--strategy.accelerator", "cpu", "--strategy.devices", "2",
@@ -100,7 +113,7 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
     from lm.flops import param_count
     from lm.model import LMConfig
 
-    params = param_count(LMConfig(vocab_size=4096, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64,
+    params = param_count(LMConfig(vocab_size=VOCAB, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64,
                                   head_dim=64, max_seq_len=64))
     ddp = max(rows[0]["bytes_per_rank"])
     print(f"2 ranks, {params:,} parameters (fp32 weights + grads + 2 Adam moments = {16 * params / 2**20:.1f} MiB "

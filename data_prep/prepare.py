@@ -16,6 +16,7 @@ from .shards import (
     DTYPES,
     FORMAT,
     MANIFEST,
+    TAIL,
     load_manifest,
     remove_outputs,
     sha256_file,
@@ -35,7 +36,7 @@ from .tokenizer import (
 )
 
 BUNDLED_CORPUS = Path(__file__).with_name("corpus") / "kjv.jsonl.gz"
-VERSION = 1  # bump when the same inputs and settings would produce different shards
+VERSION = 2  # bump when the same inputs and settings would produce different shards (2: validation from a tail)
 
 
 def log(message: str) -> None:
@@ -63,16 +64,21 @@ def source_identity(source: Source) -> list:
             [[str(p.resolve()), sha256_file(p)] for p in local]]
 
 
-def fingerprint(source: Source, tok_key: str, val_fraction: float, seed: int, shard_tokens: int) -> str:
-    """sha256 over everything that determines the output bytes."""
-    settings = {"version": f"{FORMAT}/{VERSION}", "sources": source_identity(source), "tokenizer": tok_key,
-                "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
-                "text_field": source.text_field}
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+def settings(source: Source, tok_key: str, val_fraction: float, seed: int, shard_tokens: int) -> dict:
+    """Everything besides the code's VERSION that determines the output bytes (hashes every input file once)."""
+    return {"sources": source_identity(source), "tokenizer": tok_key, "val_fraction": val_fraction, "seed": seed,
+            "shard_tokens": shard_tokens, "text_field": source.text_field}
 
 
-def reusable(out: Path, fp: str, overwrite: bool) -> dict | None:
-    """The existing manifest when `out` already holds this exact, intact dataset; never clobber another one."""
+def fingerprint(settings: dict, version: int = VERSION) -> str:
+    """sha256 over everything that determines the output bytes, as `version` of lm prepare writes them."""
+    return hashlib.sha256(json.dumps({**settings, "version": f"{FORMAT}/{version}"}, sort_keys=True).encode()
+                          ).hexdigest()
+
+
+def reusable(out: Path, fps: list[str], overwrite: bool) -> dict | None:
+    """The existing manifest when `out` already holds this exact, intact dataset (fps[0]); never clobber another
+    one, but rebuild what an older lm prepare made of the same inputs (fps[1:])."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output path is not a directory: {out}")
     path = out / MANIFEST
@@ -82,7 +88,10 @@ def reusable(out: Path, fp: str, overwrite: bool) -> dict | None:
         old = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         old = None
-    if not isinstance(old, dict) or old.get("fingerprint") != fp:
+    if isinstance(old, dict) and old.get("fingerprint") in fps[1:]:
+        log(f"rebuilding {out}: an older lm prepare wrote it, and its train/validation split may differ")
+        return None
+    if not isinstance(old, dict) or old.get("fingerprint") != fps[0]:
         if overwrite:
             return None
         raise UserError(f"{out} already holds a different dataset (its {MANIFEST} has another fingerprint): "
@@ -156,6 +165,8 @@ def prepare(
         tokenizer: A tokenizer.json path or a Hugging Face hub name; default: train a byte-level BPE.
         vocab_size: Vocabulary size of the trained BPE (ignored with tokenizer).
         val_fraction: Fraction of whole documents held out for validation (at least one when there are two).
+            When the seeded draw holds none out (one document, or a few), validation is instead this fraction of
+            the tokens, taken from the tail of the last document if it is long enough.
         seed: Seed of the train/validation split.
         shard_tokens: Tokens per shard file.
         batch_docs: Documents per tokenizer batch (tokenized in parallel).
@@ -171,8 +182,9 @@ def prepare(
     source = make_source(inputs, dataset=dataset, dataset_config=dataset_config, split=split, streaming=streaming,
                          data_files=data_files, text_field=text_field)
     out = Path(out)
-    fp = fingerprint(source, tokenizer_key(tokenizer, vocab_size), val_fraction, seed, shard_tokens)
-    if manifest := reusable(out, fp, overwrite):
+    given = settings(source, tokenizer_key(tokenizer, vocab_size), val_fraction, seed, shard_tokens)
+    fps = [fingerprint(given, version) for version in range(VERSION, 0, -1)]  # this version's first
+    if manifest := reusable(out, fps, overwrite):
         log(f"reusing {out}: {summary(manifest)}")
         return manifest
     if next(source.documents(), None) is None:  # fail before touching out
@@ -196,7 +208,7 @@ def prepare(
         "tokenizer": {"file": "tokenizer.json", "sha256": tok_sha, "vocab_size": vocab, "sep_id": sep_id,
                       "sep_token": sep_token},
         "dtype": dtype,
-        "fingerprint": fp,
+        "fingerprint": fps[0],
         "sources": source.describe(),
         "replaced_bytes": stats["replaced"],
         "splits": splits,
@@ -207,6 +219,17 @@ def prepare(
 
 
 def summary(manifest: dict) -> str:
-    """Documents and tokens per split, and replaced bytes, in one line."""
+    """Documents and tokens per split, how validation was held out when not by whole documents, and replaced
+    bytes, in one line."""
     parts = [f"{s}: {e['documents']:,} documents, {e['tokens']:,} tokens" for s, e in manifest["splits"].items()]
+    if manifest["splits"]["validation"].get("held_out") == TAIL:
+        parts[-1] = tail_summary(manifest["splits"])
     return "; ".join(parts) + f"; {manifest['replaced_bytes']:,} replaced bytes"
+
+
+def tail_summary(splits: dict) -> str:
+    """The validation part of the summary when it came from the tail of the last document."""
+    val = splits["validation"]["tokens"]
+    share = 100 * val / (val + splits["train"]["tokens"])
+    return (f"validation: {val:,} tokens ({share:.2g}% of tokens) from {TAIL} "
+            "(too few documents to hold a whole one out)")

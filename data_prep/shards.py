@@ -17,6 +17,7 @@ FORMAT = "lm-shards/1"
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+WHOLE, TAIL = "whole documents", "the tail of the last document"  # how validation was held out (manifest)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -104,23 +105,46 @@ class ShardWriter:
         return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
 
 
+def tail_length(ids: np.ndarray, corpus_tokens: int, val_fraction: float) -> int:
+    """Tokens the last document ([sep, *tokens]) gives to validation when the draw held no document out:
+    val_fraction of the corpus, if the document is long (its own share is a token or more) and keeps a token for
+    training; 0 when it cannot."""
+    content = len(ids) - 1
+    want = int(val_fraction * corpus_tokens)
+    return want if int(val_fraction * content) >= 1 and want < content else 0
+
+
 def write_splits(docs: Iterable[np.ndarray], directory: Path, dtype: str, shard_tokens: int,
                  seed: int, val_fraction: float) -> dict:
-    """Route whole documents to train/validation and write their shards; return {split: entry}."""
+    """Route whole documents to train/validation by the seeded draw and write their shards; return {split: entry}.
+
+    When the draw holds no document out, validation takes the tail of the last document (tail_length), else the
+    whole last document; the validation entry's `held_out` says which.
+    """
     writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
-    pending, index = None, -1
+    pending, index, corpus_tokens = None, -1, 0
     for index, ids in enumerate(docs):
         if pending is not None:  # hold one back: the last document may be needed to fill an empty split
             writers["validation" if is_validation(index - 1, seed, val_fraction) else "train"].add(pending)
         pending = ids
+        corpus_tokens += len(ids)
+    held_out = WHOLE
     if pending is not None:
-        split = "validation" if is_validation(index, seed, val_fraction) else "train"
-        if index >= 1 and writers["validation"].documents == 0:
-            split = "validation"
+        drawn = is_validation(index, seed, val_fraction)
+        none_held_out = writers["validation"].documents == 0 and (index == 0 or not drawn)
+        if none_held_out and (cut := tail_length(pending, corpus_tokens, val_fraction)):
+            writers["train"].add(pending[:-cut])
+            writers["validation"].add(np.concatenate([pending[:1], pending[-cut:]]))  # a separator starts a split
+            held_out = TAIL
+        elif index >= 1 and writers["validation"].documents == 0:
+            writers["validation"].add(pending)
         elif writers["train"].documents == 0:
-            split = "train"
-        writers[split].add(pending)
-    return {split: writer.close() for split, writer in writers.items()}
+            writers["train"].add(pending)
+        else:
+            writers["validation" if drawn else "train"].add(pending)
+    splits = {split: writer.close() for split, writer in writers.items()}
+    splits["validation"]["held_out"] = held_out
+    return splits
 
 
 def _check_format(manifest, path: Path) -> None:

@@ -220,7 +220,7 @@ def model_jobs(mixers: list[str], blocks: list[str], layers: list[int], seeds: l
 
 
 def check_args(mixers, blocks, layers, seeds, mixer_options, task: RegressionTask, d_model, n_heads, head_dim,
-               sizes: dict[str, int], out) -> None:
+               sizes: dict[str, int], lr: float, out) -> None:
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown:
         raise UserError(f"unknown mixers {unknown}; known: {', '.join(MIXERS)}")
@@ -230,6 +230,8 @@ def check_args(mixers, blocks, layers, seeds, mixer_options, task: RegressionTas
         raise UserError(f"layers must be one or more depths of at least 1 and seeds not empty; got {layers}, {seeds}")
     if task.x_dim < 1 or task.y_dim < 1 or task.length <= task.x_dim or task.noise <= 0:
         raise UserError(f"the task needs x_dim, y_dim >= 1, length > x_dim and noise > 0; got {task}")
+    if not lr > 0:
+        raise UserError(f"--lr must be positive, got {lr}")
     small = [f"--{name} {value}" for name, value in sizes.items() if value < 1]
     if small or sizes["eval_sequences"] < sizes["batch"]:
         raise UserError(f"{', '.join(small) or '--eval_sequences'}: sizes must be at least 1, and eval_sequences "
@@ -292,7 +294,7 @@ def icl(mixers: list[str] | None = None, blocks: list[BlockKind] = ["minimal", "
     mixers = list(MIXERS) if mixers is None else mixers
     sizes = {"d_model": d_model, "n_heads": n_heads, "head_dim": head_dim, "steps": steps, "batch": batch,
              "eval_sequences": eval_sequences, "processes": processes}
-    check_args(mixers, blocks, layers, seeds, mixer_options, task, d_model, n_heads, head_dim, sizes, out)
+    check_args(mixers, blocks, layers, seeds, mixer_options, task, d_model, n_heads, head_dim, sizes, lr, out)
     jobs = model_jobs(mixers, blocks, layers, seeds, mixer_options)
     start = time.perf_counter()
     rows = run_jobs(jobs, processes, task=task, d_model=d_model, n_heads=n_heads, head_dim=head_dim, steps=steps,

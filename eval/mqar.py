@@ -10,6 +10,7 @@ rest of the sequence, and every other position there holds the filler.
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -147,12 +148,24 @@ def mqar_table(mixers: list[str] | None = None,
             xLSTM 7B's block as it is).
         json_out: Also write the rows as JSON here.
     """
-    task = MQARTask(vocab=vocab, pairs=pairs)
     mixers = list(MIXERS) if mixers is None else mixers
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown:
         raise UserError(f"unknown mixers {unknown}; known: {', '.join(MIXERS)}")
+    if pairs < 1 or batch < 1 or (steps is not None and steps < 1):
+        raise UserError(f"--pairs, --batch and --steps must be at least 1, got {pairs}, {batch} and {steps}")
+    if not lr > 0:
+        raise UserError(f"--lr must be positive, got {lr}")
+    try:
+        task = MQARTask(vocab=vocab, pairs=pairs)
+    except ValueError as err:
+        raise UserError(f"--pairs {pairs}: {err}") from None
+    if json_out is not None and (Path(json_out).is_dir() or not Path(json_out).resolve().parent.is_dir()):
+        raise UserError(f"--json_out {json_out}: not a file in an existing folder")
     options = {m: MIXERS[m].mqar_options for m in mixers} | (mixer_options or {})
+    for m in mixers:  # the shape and options of every model, before the first one trains
+        LMConfig(vocab_size=vocab, d_model=d_model, n_layers=2, n_heads=n_heads, head_dim=head_dim, mixer=m,
+                 mixer_options={m: options.get(m) or {}}, max_seq_len=task.seq_len)
     rows = [train_mqar(m, task, d_model=d_model, n_heads=n_heads, head_dim=head_dim,
                        steps=steps or MIXERS[m].mqar_steps, batch=batch, lr=lr, seed=seed, mixer_options=options.get(m))
             for m in mixers]

@@ -146,6 +146,8 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
         raise UserError("need steps >= 20 (the one-cycle warmup), batch >= 1, processes >= 1 and even widths")
     if not mixers:
         raise UserError("--mixers names no mixer")
+    if min(pairs) < 1 or not all(lr > 0 for lr in lrs):
+        raise UserError(f"--pairs must be at least 1 and --lrs positive, got {pairs} and {lrs}")
     cells = grid_cells(mixers, widths, pairs, lrs, seeds, vocab, length, steps, batch)
     if cell == -1:
         print(len(cells))

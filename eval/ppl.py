@@ -150,6 +150,15 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         positions: "window" (position in the window) or "document" (from each document's separator, or the window's
             start); default: "document" for a model trained with resets, else "window".
     """
+    for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("batch_size", batch_size)):
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if not multiples or any(m < 1 for m in multiples):
+        raise UserError(f"--multiples must be positive integers, not {multiples}")
+    if positions not in (None, "window", "document"):
+        raise UserError(f"--positions must be 'window' or 'document', not {positions!r}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
     model, hparams = load_model(checkpoint)
     run_dir = run_dir_of(checkpoint)
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
@@ -157,12 +166,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
     if data is None:
         raise UserError("no data directory: pass --data")
-    if not multiples or any(m < 1 for m in multiples):
-        raise UserError(f"--multiples must be positive integers, not {multiples}")
     resets = model.cfg.document_separator is not None
     positions = positions or ("document" if resets else "window")
-    if positions not in ("window", "document"):
-        raise UserError(f"--positions must be 'window' or 'document', not {positions!r}")
     stream = TokenStream(data, split, verify=False)
     separator = stream.manifest["tokenizer"].get("sep_id") if positions == "document" else None
     if positions == "document" and separator is None:

@@ -90,6 +90,24 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
         include_path: A folder of further task YAMLs (eval/tasks is always included).
         out: Output directory (default: RUN_DIR/eval/harness-SUITE).
     """
+    # Every argument is checked before lm-eval is imported and its tasks loaded (seconds, and the network).
+    spec = load_suite(suite) if suite else {"tasks": []}
+    names = [t["task"] for t in spec["tasks"]] + list(tasks or [])
+    if not names:
+        raise UserError("nothing to run: give --suite or --tasks")
+    if not Path(checkpoint).exists():
+        raise UserError(f"checkpoint {checkpoint} not found")
+    if batch_size < 1:
+        raise UserError(f"--batch_size must be at least 1, got {batch_size}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num_fewshot must be at least 0, got {num_fewshot}")
+    if limit is not None and not limit > 0:
+        raise UserError(f"--limit must be positive (documents per task, or a fraction below 1), got {limit}")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise UserError(f"--include_path {include_path} is not a folder of task YAMLs")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+
     import logging
 
     import lm_eval
@@ -100,12 +118,6 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
     from eval.wandb_log import log_to_run
     from lm.checkpoint import run_dir_of
 
-    spec = load_suite(suite) if suite else {"tasks": []}
-    names = [t["task"] for t in spec["tasks"]] + list(tasks or [])
-    if not names:
-        raise UserError("nothing to run: give --suite or --tasks")
-    if not Path(checkpoint).exists():
-        raise UserError(f"checkpoint {checkpoint} not found")
     manager = loaded_task_manager(names, [str(TASKS)] + ([include_path] if include_path else []),
                                   spec.get("metadata"))
     model = LMHarness(checkpoint=checkpoint, batch_size=batch_size, device=device)

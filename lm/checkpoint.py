@@ -1,10 +1,13 @@
 """Checkpoints that are complete or absent, whatever the strategy wrote (a file, or a directory of shards).
 
-Every rank writes into `step=N.ckpt.tmp`; once all have finished, rank 0 records what was written
-(`lm-checkpoint.json` in a directory), flushes it to disk and renames it to `step=N.ckpt`. So a checkpoint under
-its final name was complete when written; `checkpoint_problem` checks that it still is before a resume uses it.
+Every rank writes into `step=N.ckpt.tmp`; once all have finished, rank 0 records what was written, each file's size
+and sha256, in a manifest (`lm-checkpoint.json` inside a directory of shards; `step=N.ckpt.lm-checkpoint.json`
+beside a single file), flushes it to disk and renames the checkpoint to `step=N.ckpt`. So a checkpoint under its final
+name was complete when written; `checkpoint_problem` checks that every byte is still what was written before a resume,
+an export or an evaluation uses it.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -27,9 +30,25 @@ def _fsync_tree(path: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _write_contents(directory: Path) -> None:
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
-    (directory / CONTENTS).write_text(json.dumps({"files": files}, indent=1))
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def manifest_of(path: Path) -> Path:
+    """Where the manifest of the checkpoint at `path` is (or goes): inside a directory, beside a file."""
+    return path / CONTENTS if path.is_dir() else path.with_name(f"{path.name}.{CONTENTS}")
+
+
+def write_manifest(checkpoint: Path, manifest: Path) -> None:
+    """Size and sha256 of every file of `checkpoint` (a file: one entry, named "")."""
+    files = [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    entries = {("" if f == checkpoint else str(f.relative_to(checkpoint))): {"size": f.stat().st_size,
+                                                                             "sha256": _sha256(f)} for f in files}
+    manifest.write_text(json.dumps({"files": entries}, indent=1))
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -48,10 +67,13 @@ class StepCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier()
         trainer.save_checkpoint(tmp, self.save_weights_only)  # ends with a barrier: every rank has written
         if trainer.is_global_zero:
-            if tmp.is_dir():
-                _write_contents(tmp)
-            _fsync_tree(tmp)
             _remove(final)  # a checkpoint of the same step saved again
+            # A single file's manifest is written under its final name first: a crash before the rename leaves only
+            # a manifest without its checkpoint, which nothing lists.
+            write_manifest(tmp, tmp / CONTENTS if tmp.is_dir() else manifest_of(final))
+            _fsync_tree(tmp)
+            if tmp.is_file():
+                _fsync_tree(manifest_of(final))
             os.replace(tmp, final)
             self._prune(trainer.global_step)
         trainer.strategy.barrier()
@@ -82,38 +104,44 @@ class StepCheckpoint(ModelCheckpoint):
 
 
 def _remove(path: Path) -> None:
+    """A checkpoint, with the manifest beside it if it is a file."""
     if path.is_dir():
         shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+        return
+    path.unlink(missing_ok=True)
+    manifest_of(path).unlink(missing_ok=True)
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
-    """Why the checkpoint at `path` cannot be used (None if it looks whole): a file must be a readable torch zip;
-    a directory must hold every file its lm-checkpoint.json lists, at the recorded sizes."""
+    """Why the checkpoint at `path` cannot be used (None if it is whole): every file its manifest lists must be
+    there with the recorded size and sha256. A file without a manifest (written before lm kept them) must at least be
+    a readable torch zip; a directory without one is incomplete."""
     path = Path(path)
-    if path.is_file():
+    if not path.exists():
+        return f"{path} not found"
+    manifest = manifest_of(path)
+    if path.is_file() and not manifest.is_file():
         try:
             with zipfile.ZipFile(path) as archive:
                 archive.namelist()
         except (zipfile.BadZipFile, OSError) as err:
             return f"{path} is not a readable checkpoint ({err})"
         return None
-    if not path.is_dir():
-        return f"{path} not found"
-    contents = path / CONTENTS
-    if not contents.is_file():
+    if not manifest.is_file():
         return f"{path} is incomplete (no {CONTENTS})"
     try:
-        files = json.loads(contents.read_text())["files"]
+        files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as err:
-        return f"{contents} is unreadable ({err})"
-    for name, size in files.items():
-        file = path / name
+        return f"{manifest} is unreadable ({err})"
+    for name, recorded in files.items():
+        file = path / name if name else path
+        size, sha256 = (recorded, None) if isinstance(recorded, int) else (recorded["size"], recorded["sha256"])
         if not file.is_file():
             return f"{path} is missing {name}"
         if file.stat().st_size != size:
-            return f"{path}: {name} has {file.stat().st_size} bytes, {size} were written"
+            return f"{path}: {name or 'the file'} has {file.stat().st_size} bytes, {size} were written"
+        if sha256 is not None and _sha256(file) != sha256:
+            return f"{path}: {name or 'the file'} is damaged (its sha256 is not the one written)"
     return None
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.config_errors import error_line
-from lm.errors import UserError
+from lm.errors import Diverged, UserError
 from lm.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
 
 # command -> "module:function"; the function's signature is the command's options.
@@ -127,6 +127,7 @@ def find_command(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # the command line, not a caller in Python (a test) whose signals are its own
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -145,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
               file=sys.stderr)
         return STOPPED_EXIT_CODE
+    except Diverged as err:
+        print(f"lm {name}: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"lm {name}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if own_process and name == "train":
+            stop_request.ignore()
     return 0
 
 

@@ -1,6 +1,7 @@
 """The training run's configuration: dataclasses read from YAML + command-line overrides by jsonargparse."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
@@ -22,7 +23,7 @@ class TrainerConfig:
             with a global batch, it is checked).
         val_every: Validate every this many optimizer steps.
         ckpt_every: Checkpoint every this many optimizer steps (and at the end).
-        keep_last: Checkpoints kept; older ones are deleted once a newer one is complete.
+        keep_last: Checkpoints kept (-1: all); older ones are deleted once a newer one is complete.
         log_every: Log every this many optimizer steps.
         activation_checkpointing: Recompute each block in the backward pass (less memory, ~1/3 more compute).
         compile: torch.compile each block.
@@ -33,6 +34,8 @@ class TrainerConfig:
         wandb_mode: "offline" (default: nothing leaves the machine) or "online".
         rank_every: Log the effective rank of each attention layer's W_Q^T W_K and W_O W_V products (mean over
             heads) every this many optimizer steps (0: never; lm.rank_monitor).
+        stop_after_skips: Steps with non-finite gradients are skipped (lm.stability); this many in a row stop the
+            run with a checkpoint.
     """
 
     max_steps: int = 1000
@@ -49,8 +52,20 @@ class TrainerConfig:
     wandb_project: str = "lm"
     wandb_mode: str = "offline"
     rank_every: int = 0
+    stop_after_skips: int = 5
 
     def __post_init__(self):
+        at_least("trainer.stop_after_skips", self.stop_after_skips, 1)
+        for name in ("max_steps", "val_every", "ckpt_every", "log_every"):
+            at_least(f"trainer.{name}", getattr(self, name), 1)
+        if self.keep_last != -1:  # 0 would keep none: nothing to resume from
+            at_least("trainer.keep_last", self.keep_last, 1)
+        if self.accumulate is not None:
+            at_least("trainer.accumulate", self.accumulate, 1)
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise UserError(f"trainer.peak_flops must be positive (or null: no MFU), got {self.peak_flops}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise UserError(f"trainer.wandb_mode must be offline or online, not {self.wandb_mode!r}")
         if self.rank_every < 0:
             raise UserError(f"trainer.rank_every must be 0 (off) or positive, got {self.rank_every}")
 
@@ -66,6 +81,27 @@ class RunConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     run_dir: str = "runs/default"
     seed: int = 0
+
+    def __post_init__(self):
+        check_data(self.data)
+        if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
+            raise UserError(f"run_dir {self.run_dir} is a file, not a directory")
+
+
+def at_least(name: str, value: int, least: int) -> None:
+    if value < least:
+        raise UserError(f"{name} must be at least {least}, got {value}")
+
+
+def check_data(d: DataConfig) -> None:
+    """The data section's sizes, which DataConfig (lm/data.py) leaves unchecked; a zero micro-batch would otherwise
+    fail only inside the first training step, after the run directory is written."""
+    for name in ("seq_len", "micro_batch"):
+        at_least(f"data.{name}", getattr(d, name), 1)
+    for name in ("global_batch", "global_batch_tokens"):
+        if getattr(d, name) is not None:
+            at_least(f"data.{name}", getattr(d, name), 1)
+    at_least("data.num_workers", d.num_workers, 0)
 
 
 def train_parser() -> ArgumentParser:
@@ -91,6 +127,8 @@ def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
         cause = err.__cause__ or err.__context__
         raise UserError(str(cause) if isinstance(cause, UserError) else error_line(parser, err)) from None
     resume = namespace.pop("resume")
+    if resume not in ("auto", "last") and not Path(resume).exists():  # before lm train creates the run directory
+        raise UserError(f"--resume: checkpoint {resume} not found")
     namespace.pop("config", None)
     yaml = parser.dump(namespace, skip_none=False)
     config = RunConfig(model=run.model, data=run.data, optim=run.optim, trainer=run.trainer,

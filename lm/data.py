@@ -117,7 +117,7 @@ class DataConfig:
         global_batch_tokens: The same in tokens (a multiple of seq_len); give either.
         num_workers: Data-loader worker processes per device.
         seed: Seed of the window order.
-        val_windows: Validation windows evaluated each time (None: all of them).
+        val_windows: Validation windows evaluated each time (None: all of them; 0: no validation at all).
         verify: Check every shard's sha256 against the manifest when loading.
         reset_at_documents: Start every document of a window from an empty state (every mixer's state, conv buffers
             and KV cache cleared at the separator, attention masked block-diagonally, RoPE positions from the
@@ -136,6 +136,24 @@ class DataConfig:
     verify: bool = True
     reset_at_documents: bool = False
 
+    def __post_init__(self):
+        if self.val_windows is not None and self.val_windows < 0:
+            raise UserError(f"data.val_windows must be 0 (no validation), positive or null (all), got "
+                            f"{self.val_windows}")
+
+
+def check_validation(stream: TokenStream, seq_len: int) -> None:
+    """UserError unless the validation split holds a window: Lightning would otherwise train without validating,
+    saying so only in a warning."""
+    if stream.total == 0:
+        raise UserError(f"the validation split of {stream.directory} is empty: prepare it again (lm prepare now "
+                        "holds validation out of long documents) or set data.val_windows 0 to train without "
+                        "validation")
+    if count_windows(stream.total, seq_len) == 0:
+        raise UserError(f"the validation split of {stream.directory} holds {stream.total} tokens, less than one "
+                        f"window of seq_len + 1 = {seq_len + 1}: prepare it again with a larger --val_fraction or "
+                        "set data.val_windows 0 to train without validation")
+
 
 class TokenDataModule(L.LightningDataModule):
     """Training and validation loaders over prepared shards; its checkpointed state is the windows consumed."""
@@ -149,6 +167,8 @@ class TokenDataModule(L.LightningDataModule):
         if count_windows(self.train_stream.total, cfg.seq_len) == 0:
             raise UserError(f"{cfg.path}: {self.train_stream.total} training tokens is less than one window of "
                             f"seq_len + 1 = {cfg.seq_len + 1}")
+        if cfg.val_windows != 0:
+            check_validation(self.val_stream, cfg.seq_len)
 
     @property
     def manifest(self) -> dict:

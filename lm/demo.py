@@ -42,6 +42,8 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
 
     if not Path(recipe).is_file():
         raise UserError(f"demo recipe {recipe} not found")
+    if sample_tokens < 0:  # checked now: the sample comes after the training
+        raise UserError(f"--sample_tokens must be at least 0, got {sample_tokens}")
     start = time.perf_counter()
     run_dir = run_dir or ("runs/demo" if mixer == "attention" else f"runs/demo-{mixer}")
     data = str(Path(run_dir) / "data")

@@ -4,6 +4,20 @@ import torch
 
 from data_prep.tokenizer import separator
 from lm.checkpoint import load_with_tokenizer
+from lm.errors import UserError
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Settings that sample nothing sensible fail before the checkpoint is loaded (a negative temperature would
+    silently favour the least likely tokens)."""
+    if max_new_tokens < 0:
+        raise UserError(f"--max_new_tokens must be at least 0, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise UserError(f"--temperature must be at least 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top_k must be at least 1 (or null: all tokens), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"--top_p must lie in (0, 1] (or null: all tokens), got {top_p}")
 
 
 def generate_text(checkpoint: str, prompt: str = "", max_new_tokens: int = 64, temperature: float = 0.8,
@@ -19,6 +33,7 @@ def generate_text(checkpoint: str, prompt: str = "", max_new_tokens: int = 64, t
         top_p: Sample among the smallest set of tokens whose probability reaches p (None: all).
         seed: Seed of the sampler.
     """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     model, tokenizer = load_with_tokenizer(checkpoint)
     _, sep = separator(tokenizer)
     ids = [sep] + tokenizer.encode(prompt, add_special_tokens=False).ids

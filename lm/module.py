@@ -32,6 +32,7 @@ class LMModule(L.LightningModule):
         self.decay_groups = decay_groups(self.model)  # now: FSDP2's sharded parameters lose the mixers' markers
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
+        self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (lm.stability)
 
     def configure_model(self):
         """FSDP2: one `fully_shard` per block, then the rest; torch.compile per block if asked (after sharding,
@@ -93,6 +94,15 @@ class LMModule(L.LightningModule):
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
+        # The norm is of the all-reduced gradients, so every rank decides alike. Without gradients, AdamW leaves
+        # each parameter and its moments untouched: the step is skipped (lm.stability).
+        if torch.isfinite(norm):
+            self.skips_in_a_row = 0
+            return
+        for parameter in self.parameters():
+            parameter.grad = None
+        self.skipped_steps += 1
+        self.skips_in_a_row += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         engine = self.deepspeed_engine
@@ -107,7 +117,11 @@ class LMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint):
         checkpoint["rng"] = rng_state()
+        checkpoint["stability"] = {"skipped_steps": self.skipped_steps, "skips_in_a_row": self.skips_in_a_row}
 
     def on_load_checkpoint(self, checkpoint):
         if "rng" in checkpoint:
             set_rng_state(checkpoint["rng"])
+        stability = checkpoint.get("stability", {})
+        self.skipped_steps = stability.get("skipped_steps", 0)
+        self.skips_in_a_row = stability.get("skips_in_a_row", 0)

@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from lm.errors import UserError
+
 
 @dataclass
 class OptimConfig:
@@ -36,6 +38,24 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
     grad_clip: float | None = 1.0
+
+    def __post_init__(self):
+        """Impossible values end as one line at parse time; AdamW would only object at the first step, after the
+        run directory is written."""
+        decays = {name: getattr(self, name) for name in ("weight_decay", "qk_weight_decay", "vo_weight_decay")}
+        checks = [(self.lr > 0, f"lr must be positive, got {self.lr}"),
+                  (all(0 <= b < 1 for b in self.betas), f"betas must lie in [0, 1), got {list(self.betas)}"),
+                  (self.eps > 0, f"eps must be positive, got {self.eps}"),
+                  *((v is None or v >= 0, f"{name} must be at least 0, got {v}") for name, v in decays.items()),
+                  (self.warmup_steps >= 0, f"warmup_steps must be at least 0, got {self.warmup_steps}"),
+                  (self.init_lr >= 0, f"init_lr must be at least 0, got {self.init_lr}"),
+                  (0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}"),
+                  (0 <= self.decay_fraction <= 1, f"decay_fraction must lie in [0, 1], got {self.decay_fraction}"),
+                  (self.grad_clip is None or self.grad_clip > 0,
+                   f"grad_clip must be positive (or null: no clipping), got {self.grad_clip}")]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"optim.{message}")
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:

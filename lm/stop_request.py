@@ -24,6 +24,15 @@ def listen() -> dict:
     return {sig: signal.signal(sig, _note) for sig in SIGNALS}
 
 
+def ignore() -> None:
+    """Ignore SIGUSR1 / SIGTERM from now on: `lm train` has finished (complete, or stopped with a checkpoint), so a
+    late notice has nothing left to stop. Without this, one that came while the interpreter shuts down would kill the
+    process by the signal (Python restores the default action of every signal it handled), and a job script would
+    see neither 0 nor STOPPED_EXIT_CODE."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def requested() -> bool:
     return _requested
 

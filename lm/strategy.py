@@ -46,6 +46,10 @@ class StrategyConfig:
     def __post_init__(self):
         if self.name not in NAMES:
             raise UserError(f"strategy.name {self.name!r} is not one of {', '.join(NAMES)}")
+        if self.devices != "auto" and not (isinstance(self.devices, int) and self.devices >= 1):
+            raise UserError(f"strategy.devices must be a number of at least 1 or \"auto\", got {self.devices!r}")
+        if self.num_nodes < 1:
+            raise UserError(f"strategy.num_nodes must be at least 1, got {self.num_nodes}")
         if self.zero_stage not in (1, 2, 3):
             raise UserError(f"strategy.zero_stage must be 1, 2 or 3, not {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:

@@ -20,12 +20,15 @@ from lm.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.config import RunConfig
 from lm.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
 from lm.data import CountConsumedWindows, TokenDataModule
-from lm.errors import UserError
+from lm.errors import Diverged, UserError
+from lm.faults import InjectFaults
+from lm.faults import planned as planned_faults
 from lm.flops import train_flops_per_token
 from lm.graceful_stop import GracefulStop
 from lm.launch_guard import RunDirLock, check_slurm_launch
 from lm.module import LMModule
 from lm.rank_monitor import RankMonitor
+from lm.stability import StabilityMonitor
 from lm.stop_request import StoppedForRequeue
 from lm.strategy import StrategyConfig, build_strategy
 
@@ -158,19 +161,22 @@ def wandb_run_id(run_dir: Path) -> str:
     return id_file.read_text().strip()
 
 
-def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, accumulate: int) -> L.Trainer:
+def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stability: StabilityMonitor,
+                  accumulate: int) -> L.Trainer:
     t, st = config.trainer, config.strategy
     loggers = [CSVLogger(run_dir, name="logs")]
     if t.wandb:
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
-    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop,
+    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop, stability,
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
     if t.rank_every:
         callbacks.append(RankMonitor(t.rank_every))
+    if faults := planned_faults():  # tests only: LM_FAULTS (lm.faults)
+        callbacks.append(InjectFaults(faults))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
     return L.Trainer(
@@ -178,6 +184,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, accumula
         strategy=build_strategy(st, config.optim.grad_clip, config.data.micro_batch),
         precision=st.resolved_precision, max_steps=t.max_steps, accumulate_grad_batches=accumulate,
         val_check_interval=t.val_every * accumulate, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        limit_val_batches=0 if config.data.val_windows == 0 else None,  # data.val_windows 0: no validation at all
         log_every_n_steps=t.log_every, logger=loggers, callbacks=callbacks, plugins=plugins,
         enable_progress_bar=t.progress_bar, default_root_dir=run_dir, enable_model_summary=False,
         # Clipping happens in LMModule.configure_gradient_clipping, which also logs the norm.
@@ -206,8 +213,8 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     config = with_document_resets(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
     check_slurm_launch(world)
+    checkpoint = resolve_resume(run_dir, resume)  # before anything is written: a bad --resume changes nothing
     run_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = resolve_resume(run_dir, resume)
     ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
     write_config(run_dir, yaml)
     tokenizer = Path(config.data.path) / datamodule.manifest["tokenizer"]["file"]
@@ -217,15 +224,21 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
                       config.trainer.activation_checkpointing, config.trainer.compile)
     module.flops_per_batch = train_flops_per_token(config.model, config.data.seq_len) * \
         config.data.micro_batch * config.data.seq_len
-    stop = GracefulStop()
-    trainer = build_trainer(config, run_dir, stop, accumulate)
+    stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
+    trainer = build_trainer(config, run_dir, stop, stability, accumulate)
     if trainer.is_global_zero:
         print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
               f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
+        if checkpoint is not None:  # says which checkpoint this launch continues, so a log shows every resume
+            print(f"lm train: resuming from {checkpoint}", file=sys.stderr)
         if "SLURM_JOB_ID" in os.environ:
             print(f"lm train: SLURM job {os.environ['SLURM_JOB_ID']}, restart "
                   f"{os.environ.get('SLURM_RESTART_COUNT', 0)}", file=sys.stderr)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if stability.diverged_at is not None:
+        raise Diverged(f"stopped at step {stability.diverged_at}: the gradients of {config.trainer.stop_after_skips} "
+                       "steps in a row were not finite (each was skipped); a checkpoint of that step is in "
+                       f"{run_dir / 'checkpoints'}")
     if stop.stopped:
         raise StoppedForRequeue(trainer.global_step)
     return newest_checkpoint(run_dir / "checkpoints")

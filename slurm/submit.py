@@ -66,6 +66,12 @@ class SlurmOptions:
     python: str | None = None
     sbatch: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        for name, least in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("signal_seconds", 0)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise UserError(f"--{name} must be at least {least}, got {value}")
+
 
 @dataclass
 class PlannedRun:

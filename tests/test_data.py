@@ -136,3 +136,48 @@ def test_corrupt_shard_and_too_long_windows_are_user_errors(kjv_data, tmp_path):
         TokenDataModule(DataConfig(path=str(copy), seq_len=SEQ))
     with pytest.raises(UserError):
         TokenDataModule(DataConfig(path=str(Path(tmp_path) / "missing"), seq_len=SEQ))
+
+
+@pytest.fixture(scope="module")
+def no_validation(tmp_path_factory) -> str:
+    """One short document: too short for a tail, so lm prepare leaves the validation split empty."""
+    from data_prep.prepare import prepare
+
+    tmp = tmp_path_factory.mktemp("short")
+    (tmp / "note.txt").write_text("A short note of a few dozen words, written once and read once. " * 3)
+    out = tmp / "data"
+    manifest = prepare([str(tmp / "note.txt")], str(out), vocab_size=300, progress=False)
+    assert manifest["splits"]["validation"]["tokens"] == 0 and manifest["splits"]["train"]["tokens"] > 4 * 8
+    return str(out)
+
+
+def test_empty_or_short_validation_split_is_a_one_line_error(no_validation, kjv_data):
+    with pytest.raises(UserError, match=r"validation split of .* is empty: prepare it again .* data\.val_windows 0"
+                       ) as empty:
+        TokenDataModule(DataConfig(path=no_validation, seq_len=8))
+    with pytest.raises(UserError, match="less than one window .* data.val_windows 0") as short:
+        TokenDataModule(DataConfig(path=kjv_data, seq_len=100_000))  # training has windows; validation has none
+    assert "\n" not in str(empty.value) + str(short.value)
+    with pytest.raises(UserError, match="val_windows"):
+        DataConfig(val_windows=-1)
+
+
+def test_val_windows_0_trains_without_validation(no_validation, tmp_path, capsys, recwarn):
+    from lm.cli import main
+
+    config = tmp_path / "train.yaml"
+    config.write_text(f"""
+model: {{vocab_size: 300, d_model: 16, n_layers: 1, n_heads: 2, head_dim: 8, max_seq_len: 8}}
+data: {{path: {no_validation}, seq_len: 8, micro_batch: 2, num_workers: 0}}
+trainer: {{max_steps: 2, val_every: 1, ckpt_every: 2, log_every: 1, progress_bar: false}}
+strategy: {{accelerator: cpu, devices: 1}}
+run_dir: {tmp_path / "run"}
+""")
+    assert main(["train", "--config", str(config)]) == 2
+    assert "validation split" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    recwarn.clear()
+    assert main(["train", "--config", str(config), "--data.val_windows", "0"]) == 0
+    assert not [str(w.message) for w in recwarn if "zero" in str(w.message)]  # no warning of an empty loader
+    (metrics,) = (tmp_path / "run").glob("logs/version_*/metrics.csv")
+    assert "train/loss" in metrics.read_text() and "val/loss" not in metrics.read_text()

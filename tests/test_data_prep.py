@@ -1,6 +1,7 @@
 """Tests of data_prep: sources, tokenizer, shards, manifest verification and reuse. Offline, small, fast."""
 
 import gzip
+import importlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
-from data_prep.shards import DTYPES, is_validation, sha256_file, token_dtype, write_splits
+from data_prep.shards import DTYPES, TAIL, WHOLE, is_validation, sha256_file, token_dtype, write_splits
 from data_prep.sources import decode, iter_documents
 from data_prep.tokenizer import separator
 from lm.errors import UserError
@@ -49,6 +50,14 @@ def split_documents(out: Path, manifest: dict, split: str) -> list[str]:
     assert len(tokens) == 0 or starts[0] == 0, "a split must start with the separator"
     ends = [*starts[1:], len(tokens)]
     return [tok.decode(tokens[s + 1:e].tolist(), skip_special_tokens=False) for s, e in zip(starts, ends, strict=True)]
+
+
+def write_book(path: Path, chapters: int = 5) -> str:
+    """One .txt file of a few thousand words (the first chapters of the bundled corpus): a one-document corpus."""
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        text = "\n\n".join(json.loads(next(f))["text"] for _ in range(chapters))
+    path.write_text(text)
+    return text
 
 
 def snapshot(directory: Path) -> dict:
@@ -112,6 +121,9 @@ def test_bundled_corpus(kjv):
     train, val = split_documents(out, manifest, "train"), split_documents(out, manifest, "validation")
     assert Counter(train + val) == Counter(chapters)
     assert not set(train) & set(val)
+    # many documents: validation is exactly the chapters the seeded draw picks, as before tails existed
+    assert val == [c for i, c in enumerate(chapters) if is_validation(i, 0, 0.01)]
+    assert manifest["splits"]["validation"]["held_out"] == WHOLE
 
 
 def test_reader_memmaps_are_read_only(kjv):
@@ -208,11 +220,22 @@ def test_reuse_refuse_and_overwrite(tmp_path):
     with pytest.raises(UserError, match="different dataset"):
         run([a], out, seed=1)  # settings are part of the fingerprint too
 
-    second = run([b], out, overwrite=True)
+    second = run([b], out, overwrite=True)  # one document, too short for a tail
     assert second["fingerprint"] != first["fingerprint"]
     assert load_manifest(out) == second
     assert split_documents(out, second, "train") == ["a different dataset"]
     assert not (out / "validation_00000.bin").exists()  # one document: nothing stale left behind
+
+
+def test_older_version_of_the_same_inputs_is_rebuilt_without_overwrite(tmp_path, monkeypatch, capsys):
+    module = importlib.import_module("data_prep.prepare")  # data_prep.prepare is also the function's name
+    a, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "out"
+    monkeypatch.setattr(module, "VERSION", 1)  # as an lm prepare from before validation tails wrote it
+    old = run([a], out)
+    monkeypatch.undo()
+    new = run([a], out)
+    assert new["fingerprint"] != old["fingerprint"]
+    assert "rebuilding" in capsys.readouterr().err
 
 
 def test_corrupt_shard_is_rebuilt_on_rerun(tmp_path):
@@ -346,7 +369,42 @@ def test_split_rules(tmp_path):
     splits = write_splits(docs, tmp_path, "uint16", 100, seed=0, val_fraction=1e-9)
     assert (splits["train"]["documents"], splits["validation"]["documents"]) == (1, 1)  # the last one is held out
     splits = write_splits(docs[:1], tmp_path, "uint16", 100, seed=0, val_fraction=0.999999)
-    assert (splits["train"]["documents"], splits["validation"]["shards"]) == (1, [])  # one document: train
+    assert (splits["train"]["documents"], splits["validation"]["shards"]) == (1, [])  # one short document: train
+
+
+def test_too_few_documents_give_validation_the_tail_of_the_last(tmp_path):
+    """Drawn by nobody, long documents: validation is val_fraction of the tokens, the last document's tail."""
+    docs = [np.array([0, *range(1 + 1000 * i, 1000 * (i + 1))], np.uint16) for i in range(3)]
+    assert not any(is_validation(i, 0, 0.01) for i in range(3))  # the draw holds none out
+    splits = write_splits(docs, tmp_path, "uint16", 10_000, seed=0, val_fraction=0.01)
+    train, val = split_tokens_of(tmp_path, splits, "train"), split_tokens_of(tmp_path, splits, "validation")
+    assert splits["validation"]["held_out"] == TAIL
+    assert list(val) == [0, *docs[2][-30:]]  # 1% of the corpus's 3000 tokens
+    assert list(train) == [*docs[0], *docs[1], *docs[2][:-30]]  # everything else, nothing twice
+    assert write_splits(docs, tmp_path, "uint16", 10_000, seed=0, val_fraction=0.01) == splits  # deterministic
+    splits = write_splits(docs[:1], tmp_path, "uint16", 10_000, seed=0, val_fraction=0.05)
+    assert (splits["train"]["tokens"], splits["validation"]["tokens"]) == (950, 51)  # one document: its tail
+
+
+def split_tokens_of(directory: Path, splits: dict, split: str) -> np.ndarray:
+    """A split's tokens straight from write_splits' entries (no manifest yet)."""
+    return np.concatenate([np.fromfile(directory / s["name"], np.uint16) for s in splits[split]["shards"]])
+
+
+def test_one_book_holds_validation_out_of_its_tail(tmp_path, capsys):
+    text = write_book(tmp_path / "book.txt")
+    out = tmp_path / "out"
+    manifest = run([tmp_path / "book.txt"], out, val_fraction=0.05)
+    assert json.loads((out / "manifest.json").read_text())["splits"]["validation"]["held_out"] == TAIL
+    train, val = split_tokens(out, manifest, "train"), split_tokens(out, manifest, "validation")
+    assert manifest["splits"]["validation"]["documents"] == 1 and len(val) > 100
+    # disjoint and lossless: the head in train and the tail in validation are the book's tokens, each once
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    book = tok.encode(text, add_special_tokens=False).ids
+    assert train[0] == val[0] == 0 and [*train[1:], *val[1:]] == book
+    assert len(val) - 1 == int(0.05 * (len(book) + 1))
+    assert "validation: " + f"{len(val):,} tokens (5% of tokens) from the tail of the last document (too few " \
+           "documents to hold a whole one out)" in capsys.readouterr().err
 
 
 def test_signature_works_with_jsonargparse():

@@ -25,7 +25,7 @@ from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig, SwiGLU
 from lm.ops import flops as op_flops
 
-TOL = 0.05  # the issue's bound, for mixers and models (their vector parameters put them ~1% off)
+TOL = 0.01  # mixers and models: the formulas count their vector parameters, which the counter does not (see below)
 EXACT = 1e-9  # the ops and the MLP: the formulas count their products one by one
 aten = torch.ops.aten
 
@@ -185,8 +185,11 @@ def test_mixer_flops_match_the_counter(name, size):
     if not attention_like(name):
         assert cls.flops_per_token(d, h, hd, T, False, **cfg.mixer_options[name]) == matrices + op
     counted_forward, counted_train = counted(lambda: mixer(x)[0])
-    assert_close(B * T * (matrices + op), counted_forward)
-    assert_close(B * T * (3 * matrices + op_train), counted_train)
+    # 2 FLOPs per parameter counts the vector ones too (gates' biases, decays, norms: elementwise work the counter
+    # does not see); at these toy widths they are up to 2% of a mixer (Hawk's), under 0.1% at the paper's.
+    vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
+    assert_close(B * T * (matrices + op), counted_forward, tol=TOL + vectors)
+    assert_close(B * T * (3 * matrices + op_train), counted_train, tol=TOL + vectors)
 
 
 @pytest.mark.parametrize("size", LAYER_SIZES, ids=lambda s: f"T{s[1]}d{s[2]}")

@@ -353,7 +353,8 @@ def test_gla_flops_match_the_counter(T, chunk_size, sub_chunk):
     C = -(-min(chunk_size, T) // sub_chunk) * sub_chunk  # the chunk the op uses: a whole number of sub-chunks
     padded = -(-T // C) * C
     assert forward == B * padded * H * op_flops.gla_op_flops(C, K, V, sub_chunk)
-    assert forward + backward == B * padded * H * op_flops.gla_op_train_flops(C, K, V, sub_chunk, padded // C)
+    assert forward + backward == B * padded * H * op_flops.gla_op_train_flops(C, K, V, sub_chunk, padded // C,
+                                                                               learned_initial_state=True)
 
 
 def test_fla_gla_glue_with_a_fake_fla(monkeypatch):

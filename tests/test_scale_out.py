@@ -78,6 +78,13 @@ def losses(run_dir: Path) -> list[float]:
     return [rows[k] for k in sorted(rows)]
 
 
+def last_launch_losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, as the newest launch in run_dir logged them (each launch logs into a version of its own)."""
+    newest = max(run_dir.glob("logs/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    with open(newest / "metrics.csv") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
 def exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     # In this process: `lm export` of every format is one process, and the import of torch, Lightning and
     # DeepSpeed would cost more than the export itself.
@@ -143,8 +150,15 @@ def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, resumed,
         torch.testing.assert_close(model(tokens)[0], reference(tokens)[0], rtol=0, atol=1e-5)
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
-    # Exact resume: drop the last checkpoint and continue from step 2 with the same strategy (`resumed`).
-    b = exported(continued(resumed, strategy), tmp_path / "b")
+    # Exact resume: drop the last checkpoint and continue from step 2 with the same strategy (`resumed`). The launch
+    # names the checkpoint it restored and logs from step 2 on the losses of the uninterrupted run, bit for bit: a
+    # launch that silently restarted from step 0 would end with the same weights, but not pass this.
+    resumed_dir = continued(resumed, strategy)
+    restored = resumed_dir / "checkpoints" / "step=00000002.ckpt"
+    assert f"lm train: resuming from {restored}" in resumed[strategy][1].stderr
+    after = last_launch_losses(resumed_dir)
+    assert sorted(after) == [2, 3] and [after[2], after[3]] == losses(run_dir)[2:]
+    b = exported(resumed_dir, tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -182,7 +196,26 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path,
     result = train(runs["config"], damaged, "--trainer.max_steps", "4", *STRATEGIES["zero2"])
     assert "skipping checkpoint" in result.stderr
     assert "step=00000004.ckpt" in result.stderr  # it warned about the damaged one, then resumed from step 2
+    assert f"resuming from {damaged / 'checkpoints' / 'step=00000002.ckpt'}" in result.stderr
     assert checkpoint_problem(newest) is None  # step 4 was written again, whole
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp2"])
+def test_a_flipped_byte_in_a_shard_is_caught_and_the_previous_checkpoint_taken(runs, strategy, tmp_path, capsys):
+    """A byte changed inside one shard (its size intact) fails the sha256 in the checkpoint's manifest: the newest
+    usable checkpoint is then the one before (the resume itself is test_damaged_checkpoint_is_refused_...)."""
+    from lm.checkpoint import newest_checkpoint
+
+    run_dir = shutil.copytree(runs[strategy], tmp_path / strategy)
+    newest = run_dir / "checkpoints" / "step=00000004.ckpt"
+    shard = max((p for p in newest.rglob("*") if p.is_file() and p.name != "lm-checkpoint.json"),
+                key=lambda p: p.stat().st_size)  # the largest: weights or optimizer state, not metadata
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "damaged" in checkpoint_problem(newest)
+    assert newest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step=00000002.ckpt"
+    assert "skipping checkpoint" in capsys.readouterr().err
 
 
 def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data, tmp_path):

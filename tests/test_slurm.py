@@ -161,7 +161,7 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_weights(clust
     final = f"checkpoints/step={STEPS:08d}.ckpt"
     expected, got = weights(straight / final), weights(run_dir / final)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step=*.ckpt")) == \
         [f"step={STEPS - 20:08d}.ckpt", f"step={STEPS:08d}.ckpt"]  # keep_last 2, the stop's one included
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(wandb_runs) == 2 and {p.name.rsplit("-", 1)[1] for p in wandb_runs} == \

@@ -49,6 +49,21 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
     return losses
 
 
+def last_launch_losses(run_dir: Path) -> dict[int, float]:
+    """The losses that the newest launch in run_dir logged (each launch logs into a version of its own)."""
+    newest = max(run_dir.glob("logs/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    with open(newest / "metrics.csv") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r["train/loss"]}
+
+
+def assert_resumed_at(run_dir: Path, step: int, reference: Path, stderr: str):
+    """The newest launch restored the step-`step` checkpoint (its log says so), logged from that step on, and
+    logged the reference's losses there bit for bit: a launch that restarted from step 0 fails all three."""
+    assert f"lm train: resuming from {run_dir / 'checkpoints' / f'step={step:08d}.ckpt'}" in stderr, stderr[-2000:]
+    after, expected = last_launch_losses(run_dir), logged_losses(reference)
+    assert min(after) == step and all(after[s] == expected[s] for s in after), (after, expected)
+
+
 def weights(checkpoint: Path) -> dict:
     return torch.load(checkpoint, weights_only=True)["state_dict"]
 
@@ -71,7 +86,9 @@ def straight(kjv_data, tmp_path_factory) -> Path:
 def test_run_directory_holds_config_logs_checkpoints_and_tokenizer(straight):
     assert (straight / "config.yaml").exists() and (straight / "tokenizer.json").exists()
     names = sorted(p.name for p in (straight / "checkpoints").iterdir())
-    assert names == ["step=00000004.ckpt", "step=00000008.ckpt"]
+    assert names == ["step=00000004.ckpt", "step=00000004.ckpt.lm-checkpoint.json", "step=00000008.ckpt",
+                     "step=00000008.ckpt.lm-checkpoint.json"]  # each checkpoint with its manifest (sizes, sha256)
+    names = names[::2]
     checkpoint = torch.load(straight / "checkpoints" / names[-1], weights_only=True)
     assert checkpoint["global_step"] == STEPS
     assert checkpoint["TokenDataModule"] == {"windows_consumed": STEPS * 4}
@@ -96,14 +113,41 @@ def test_resume_gives_identical_losses_and_weights(straight, kjv_data, tmp_path)
     assert all(after[s] == reference[s] for s in after)
 
 
-def test_rerun_in_the_same_directory_continues(straight, kjv_data, tmp_path):
+def test_rerun_in_the_same_directory_continues(straight, kjv_data, tmp_path, capsys):
     run_dir = tmp_path / "twice"
     config = config_file(tmp_path, kjv_data, run_dir)
     run(config, "--trainer.max_steps", str(STEPS), "--trainer.ckpt_every", "4")
     (run_dir / "checkpoints" / "step=00000008.ckpt").unlink()  # as if stopped after step 4
+    capsys.readouterr()
     run(config)
+    assert_resumed_at(run_dir, 4, straight, capsys.readouterr().err)
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", run_dir / "checkpoints/step=00000008.ckpt")
     assert len(list(run_dir.glob("logs/version_*"))) == 2  # each launch logs separately, nothing overwritten
+
+
+def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(straight, kjv_data, tmp_path, capsys):
+    """A byte changed inside a checkpoint (its size and zip directory intact) fails its sha256: an explicit --resume
+    to it is one line and writes nothing; an automatic resume skips it with a warning and takes the one before."""
+    import shutil
+
+    from lm.checkpoint import checkpoint_problem
+
+    run_dir = shutil.copytree(straight, tmp_path / "flipped")
+    newest = run_dir / "checkpoints" / "step=00000008.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    assert "damaged" in checkpoint_problem(newest)
+    config = config_file(tmp_path, kjv_data, run_dir)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    one_line_error(capsys, ["train", "--config", str(config), "--resume", str(newest)], "sha256")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+    run(config)
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "damaged" in err
+    assert_resumed_at(run_dir, 4, straight, err)
+    assert checkpoint_problem(newest) is None  # step 8 was written again, whole
+    assert_same_weights(straight / "checkpoints/step=00000008.ckpt", newest)
 
 
 def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
@@ -121,8 +165,91 @@ def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
     assert killed_at is not None and killed_at.name != "step=00000008.ckpt", "the run was not stopped early"
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert_resumed_at(run_dir, int(killed_at.name[5:13]), straight, done.stderr)
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", run_dir / "checkpoints/step=00000008.ckpt")
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_a_stop_notice_at_any_moment_ends_in_0_or_75_and_the_run_then_matches(straight, kjv_data, tmp_path):
+    """SIGUSR1 at each moment of a run's life (lm.faults sends it from inside, at exactly that moment): the launch
+    ends with 75 (a checkpoint written; run again) or 0 (complete), never by the signal, and each run ends with the
+    uninterrupted run's weights. One run is stopped four times in a row (start-up, training, validation, the writing of
+    its last checkpoint), each launch resuming the one before; another takes it after the last step. One more is sent
+    notices from outside every 20 ms from its last checkpoint on, through its exit: Python gives back the default
+    action of a signal while it shuts down, which would kill the process by it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lm.stop_request import STOPPED_EXIT_CODE
+
+    def launches(name: str, moments: list[str]) -> list[int]:
+        cmd = [sys.executable, "-m", "lm.cli", "train", "--config",
+               str(config_file(tmp_path, kjv_data, tmp_path / name))]
+        env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+        codes = []
+        for moment in moments:
+            if moment == "exit":
+                process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                while not (tmp_path / name / "checkpoints" / "step=00000008.ckpt").exists() and process.poll() is None:
+                    time.sleep(0.005)
+                while process.poll() is None:
+                    process.send_signal(signal.SIGUSR1)
+                    time.sleep(0.02)
+                done = subprocess.CompletedProcess(cmd, process.wait(), "", process.stderr.read())
+            else:
+                done = subprocess.run(cmd, env={**env, "LM_FAULTS": f"signal@{moment}"}, capture_output=True,
+                                      text=True)
+            assert done.returncode in (0, STOPPED_EXIT_CODE), (moment, done.returncode, done.stderr[-2000:])
+            codes.append(done.returncode)
+        return codes
+
+    chains = {"stopped": ["fit_start", "step:2", "validation", "checkpoint"], "after": ["train_end"], "exit": ["exit"]}
+    with ThreadPoolExecutor(2) as pool:
+        codes = dict(zip(chains, pool.map(launches, chains, chains.values())))
+    assert codes == {"stopped": [STOPPED_EXIT_CODE] * 3 + [0], "after": [0], "exit": [0]}
+    for name in chains:
+        assert_same_weights(straight / "checkpoints/step=00000008.ckpt",
+                            tmp_path / name / "checkpoints" / "step=00000008.ckpt")
+
+
+def test_non_finite_gradients_skip_their_steps_and_enough_in_a_row_stop_the_run(kjv_data, tmp_path, monkeypatch,
+                                                                                capsys):
+    """lm.faults makes the gradients of steps 2 and 3 NaN. Those steps leave the weights and AdamW's moments as they
+    were, and are counted; a run stopped in between and resumed ends as the uninterrupted one; with stop_after_skips 2
+    the second skip stops the run with a checkpoint and one line naming the step."""
+    from lm.stop_request import StoppedForRequeue
+
+    monkeypatch.setenv("LM_FAULTS", "nan_grad@2,nan_grad@3")
+    whole = tmp_path / "whole"
+    run(config_file(tmp_path, kjv_data, whole, ckpt_every=2, keep_last=-1))
+    step = lambda n: torch.load(whole / "checkpoints" / f"step={n:08d}.ckpt", weights_only=True)  # noqa: E731
+    before, after = step(2), step(4)  # the skipped steps are the third and fourth: 0-based 2 and 3
+    assert all(torch.equal(before["state_dict"][k], after["state_dict"][k]) for k in before["state_dict"])
+    moments = lambda c: [t for s in c["optimizer_states"][0]["state"].values() for t in s.values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(moments(before), moments(after)))
+    assert after["stability"] == {"skipped_steps": 2, "skips_in_a_row": 2}
+    assert step(6)["stability"] == {"skipped_steps": 2, "skips_in_a_row": 0}
+    assert not all(torch.equal(after["state_dict"][k], step(6)["state_dict"][k]) for k in after["state_dict"])
+    with open(next(whole.glob("logs/version_*/metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/skipped_steps")]
+    assert float(rows[-1]["train/skipped_steps"]) == 2 and any(r.get("train/loss_spike") for r in rows)
+
+    # A stop notice between the two skipped steps, then a resume: the weights of the uninterrupted run.
+    halves = tmp_path / "halves"
+    monkeypatch.setenv("LM_FAULTS", "nan_grad@2,nan_grad@3,signal@step:2")
+    with pytest.raises(StoppedForRequeue):
+        run(config_file(tmp_path, kjv_data, halves, ckpt_every=2, keep_last=-1))
+    monkeypatch.setenv("LM_FAULTS", "nan_grad@2,nan_grad@3")
+    run(config_file(tmp_path, kjv_data, halves, ckpt_every=2, keep_last=-1))
+    assert_same_weights(whole / "checkpoints/step=00000008.ckpt", halves / "checkpoints/step=00000008.ckpt")
+
+    stopped = tmp_path / "stopped"
+    capsys.readouterr()
+    assert main(["train", "--config", str(config_file(tmp_path, kjv_data, stopped)),
+                 "--trainer.stop_after_skips", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("lm train: stopped at step 4: the "
+                                                                              "gradients of 2 steps in a row"), err
+    assert (stopped / "checkpoints" / "step=00000004.ckpt").is_file()
 
 
 def one_line_error(capsys, argv: list[str], pattern: str):

@@ -54,6 +54,15 @@ def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
         out: Output directory (default: RUN_DIR/eval/longctx-HAYSTACK).
         tasks_only: Only write the examples as lm-eval tasks (OUT/lm_eval); evaluate nothing.
     """
+    from lm.errors import UserError
+
+    # What building the examples below does not already check; all of it before the first file is written.
+    if not probes or not lengths or not depths:
+        raise UserError("--probes, --lengths and --depths each need at least one value")
+    if samples < 1 or max_new_tokens < 1:
+        raise UserError(f"--samples and --max_new_tokens must be at least 1, got {samples} and {max_new_tokens}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
     from lm_eval.api.instance import Instance
     from tokenizers import Tokenizer
 

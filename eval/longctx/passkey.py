@@ -104,9 +104,22 @@ def passkey(data: str, out: str, length: int = 256, steps: int = 3000, batch_siz
     tokenizer_file = Path(data) / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise UserError(f"{data}: no tokenizer.json (prepare the data with `lm prepare` first)")
-    if d_model % 32:
+    if d_model % 32 or d_model < 32:
         raise UserError(f"d_model must be a multiple of 32 (heads of 32 dimensions), not {d_model}")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("n_layers", n_layers), ("samples", samples)):
+        if value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if not lr > 0:
+        raise UserError(f"--lr must be positive, got {lr}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    # One example per length and depth the run will use, so that a length too short for the probe or a depth
+    # outside [0, 1] fails now rather than after training.
+    for eval_length in [length, *(eval_lengths or [])]:
+        make_example("passkey", tokenizer, eval_length, 0.5, seed)
+    for depth in depths:
+        make_example("passkey", tokenizer, length, depth, seed)
     L.seed_everything(seed, verbose=False)
     config = LMConfig(vocab_size=tokenizer.get_vocab_size(), d_model=d_model, n_layers=n_layers,
                       n_heads=d_model // 32, head_dim=32, max_seq_len=length, mixer="attention")

@@ -118,6 +118,18 @@ def run_jobs(jobs: dict[str, tuple], workers: int, command: str = "lm compare de
     return results
 
 
+def check_out_and_data(out: Path, data: str | None, vocab_size: int) -> None:
+    """What writing into `out` and `prepared_data` would fail on, checked before anything is written."""
+    from data_prep.tokenizer import check_vocab_size
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    if data is None:
+        check_vocab_size(vocab_size)
+    elif not (Path(data) / "manifest.json").is_file():
+        raise UserError(f"--data {data} is not a prepared dataset (no manifest.json; `lm prepare` writes one)")
+
+
 def prepared_data(out: Path, data: str | None, vocab_size: int) -> tuple[str, int]:
     """(data directory, tokenizer vocabulary): `data` if given, else the bundled corpus prepared into OUT/data
     (lm prepare reuses an identical earlier result)."""
@@ -210,7 +222,7 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         archs: Architectures as `lm compare plan --archs` takes them (default: every mixer and the MesaNet paper's
             hybrids); MQAR runs their mixers.
     """
-    from lm.compare.plan import plan
+    from lm.compare.plan import parse_archs, plan
     from lm.compare.report import report
 
     start = time.perf_counter()
@@ -221,7 +233,10 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
                         ("eval_windows", eval_windows)):
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
+    archs = demo_archs() if archs is None else list(archs)
+    parse_archs(archs)
     out_dir = Path(out)
+    check_out_and_data(out_dir, data, vocab_size)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     steps = steps or max(1, round(tokens / (global_batch * seq_len)))
@@ -230,7 +245,6 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     base = out_dir / "base.yaml"
     base.write_text(yaml.safe_dump(base_config(data, vocab, seq_len, global_batch, eval_windows), sort_keys=False))
 
-    archs = demo_archs() if archs is None else list(archs)
     lrs = {arch: demo_lr(arch) for arch in archs}
     planned = plan(archs=archs, params=params, base=str(base), lrs={a: [lr] for a, lr in lrs.items()},
                    out=str(out_dir / "plan"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from lm.compare.demo import base_config, prepared_data, run_jobs, worker_setup
+from lm.compare.demo import base_config, check_out_and_data, prepared_data, run_jobs, worker_setup
 from lm.errors import UserError
 
 SETTINGS = ("carry", "reset")  # data.reset_at_documents false / true
@@ -115,6 +115,7 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
     if not seeds or d_model % 2:
         raise UserError("--seeds must name at least one seed and --d_model must be even")
     out_dir = Path(out)
+    check_out_and_data(out_dir, data, vocab_size)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     base = base_config(data, vocab, seq_len, global_batch, eval_windows)

@@ -320,6 +320,8 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         raise UserError("give --budget (total training FLOPs), --params (target parameters), or both")
     if (budget is not None and budget <= 0) or (params is not None and params <= 0):
         raise UserError("--budget and --params must be positive")
+    if not dry_run and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
     raw, run = load_base(base)
     seq_len = seq_len or run.data.seq_len
     template = replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len)

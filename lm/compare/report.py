@@ -154,6 +154,10 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
 
     if not runs:
         raise UserError("no run directories given")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    if any(p < 1 for p in positions):
+        raise UserError(f"--positions must be positions in the sequence, at least 1, got {positions}")
     for path in runs:
         check_run_dir(path)  # every path before the slow reading, so a typo fails at once
     extra = {heading: read_table(path) for heading, path in (tables or {}).items()}

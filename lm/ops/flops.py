@@ -25,11 +25,15 @@ def gla_op_flops(chunk: int, k: int, v: int, sub_chunk: int) -> float:
     return (chunk - sub_chunk) * k + 2 * chunk * v + 4 * k * v
 
 
-def gla_op_train_flops(chunk: int, k: int, v: int, sub_chunk: int, n_chunks: int) -> float:
+def gla_op_train_flops(chunk: int, k: int, v: int, sub_chunk: int, n_chunks: int,
+                       learned_initial_state: bool = False) -> float:
     """Forward + backward with a loss on the outputs only: 3x the forward (both operands of every product depend on
-    q, k or v), except with a single chunk, whose state write k^T v (one product over all chunks) then feeds only the
-    final state, which no loss reads: its backward (4KV per token) is skipped."""
-    return 3 * gla_op_flops(chunk, k, v, sub_chunk) - (4 * k * v if n_chunks == 1 else 0)
+    q, k or v), except with a single chunk. Its state write k^T v (one product over all chunks) then feeds only the
+    final state, which no loss reads, so its backward (4KV per token) is skipped; and its queries read the initial
+    state alone, whose gradient (2KV) is taken only if it is learned (training windows start from none). With more
+    chunks the states are read in one product over all of them, whose gradient is taken whole."""
+    skipped = (4 + (0 if learned_initial_state else 2)) * k * v if n_chunks == 1 else 0
+    return 3 * gla_op_flops(chunk, k, v, sub_chunk) - skipped
 
 
 def diagonal_scan_op_flops() -> float:

@@ -1,0 +1,71 @@
+"""Faults injected on purpose, so that tests can check what `lm train` does when things go wrong at a chosen moment,
+with nothing else changed (not the data, not the code under test).
+
+    LM_FAULTS="signal@checkpoint,nan_grad@3,nan_grad@4" lm train ...
+
+- `signal@MOMENT` sends this process SIGUSR1 (a scheduler's stop notice) once, at MOMENT: `fit_start`, `step:N`
+  (after optimizer step N), `validation` (at its start), `checkpoint` (while a checkpoint is being written) or
+  `train_end` (after the last step). (The interpreter's own shutdown comes after anything here could run: tests send
+  those notices from outside.)
+- `nan_grad@N` makes every gradient of optimizer step N (0-based, the trainer's global_step then) NaN, as a
+  diverging step would; on every rank, so that they agree as real non-finite gradients (all-reduced) would.
+
+Unset, nothing is added to the Trainer.
+"""
+
+import os
+import signal
+
+import lightning as L
+import torch
+
+from lm.errors import UserError
+
+ENV = "LM_FAULTS"
+MOMENTS = ("fit_start", "validation", "checkpoint", "train_end")
+
+
+def planned() -> list[tuple[str, str]]:
+    """(fault, where) pairs from LM_FAULTS; a malformed entry is an error, not a silent no-op."""
+    faults = []
+    for entry in filter(None, os.environ.get(ENV, "").split(",")):
+        kind, _, where = entry.strip().partition("@")
+        valid = (kind == "signal" and (where in MOMENTS or (where.startswith("step:") and where[5:].isdigit()))) or \
+            (kind == "nan_grad" and where.isdigit())
+        if not valid:
+            raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT with MOMENT in {', '.join(MOMENTS)} or "
+                             "step:N, or nan_grad@N)")
+        faults.append((kind, where))
+    return faults
+
+
+class InjectFaults(L.Callback):
+    def __init__(self, faults: list[tuple[str, str]]):
+        self.signal_at = {where for kind, where in faults if kind == "signal"}
+        self.nan_steps = {int(where) for kind, where in faults if kind == "nan_grad"}
+
+    def _signal(self, moment: str) -> None:
+        if moment in self.signal_at:
+            self.signal_at.discard(moment)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def on_fit_start(self, trainer, pl_module):
+        self._signal("fit_start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._signal(f"step:{trainer.global_step}")
+
+    def on_validation_start(self, trainer, pl_module):
+        self._signal("validation")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._signal("checkpoint")
+
+    def on_train_end(self, trainer, pl_module):
+        self._signal("train_end")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in self.nan_steps:
+            for parameter in pl_module.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.fill_(torch.nan)

@@ -1,0 +1,228 @@
+"""Bad input to every command of `lm`: exit status 2, one line on stderr, and nothing written.
+
+Each case runs `main(argv)` in this process, in a fresh working directory (the current directory, so that relative
+defaults such as runs/... land there too) that holds a tiny run with a checkpoint, a copy of the prepared data, a
+valid training config and a plain file. The whole directory is hashed before and after: a command must check all
+its arguments before it creates, changes or deletes anything.
+"""
+
+import hashlib
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm.cli import COMMANDS, main
+
+TRAIN_YAML = """\
+model: {vocab_size: 512, d_model: 32, n_layers: 1, n_heads: 2, head_dim: 16, max_seq_len: 64}
+data: {path: data, seq_len: 32, micro_batch: 2, num_workers: 0, val_windows: 2}
+trainer: {max_steps: 1, val_every: 1, ckpt_every: 1, log_every: 1, progress_bar: false}
+strategy: {accelerator: cpu, devices: 1}
+run_dir: newrun
+"""
+TRAIN = ["train", "--config", "train.yaml"]
+SUBMIT = ["slurm", "submit", "--dry_run"]
+TRAIN_ARGS = ["--", "--config", "train.yaml"]
+PLAN = ["compare", "plan", "--archs", "attention", "--params", "1e5", "--base", "train.yaml", "--out", "plan"]
+
+# (argv, a part of the one line expected on stderr); paths are relative to the working directory.
+CASES = {
+    # lm prepare
+    "prepare-missing-input": (["prepare", "--inputs", "[nowhere.txt]", "--out", "prepared"], "nowhere.txt"),
+    "prepare-zero-vocab": (["prepare", "--vocab_size", "0", "--out", "prepared"], "vocab"),
+    "prepare-val-fraction-above-one": (["prepare", "--val_fraction", "1.5", "--out", "prepared"], "val_fraction"),
+    "prepare-out-is-a-file": (["prepare", "--out", "file.txt"], "not a directory"),
+    "prepare-unknown-key": (["prepare", "--vocab_sise", "64"], "unknown config key 'vocab_sise'"),
+    # lm train
+    "train-negative-lr": ([*TRAIN, "--optim.lr", "-1"], "optim.lr"),
+    "train-beta-above-one": ([*TRAIN, "--optim.betas", "[0.9, 1.5]"], "optim.betas"),
+    "train-run-dir-is-a-file": ([*TRAIN, "--run_dir", "file.txt"], "file.txt"),
+    "train-unknown-key": ([*TRAIN, "--trainer.max_stepz", "5"], "unknown config key 'trainer.max_stepz'"),
+    "train-missing-config": (["train", "--config", "nowhere.yaml"], "nowhere.yaml"),
+    "train-missing-data": ([*TRAIN, "--data.path", "nowhere"], "nowhere"),
+    "train-zero-micro-batch": ([*TRAIN, "--data.micro_batch", "0"], "data.micro_batch"),
+    "train-zero-steps": ([*TRAIN, "--trainer.max_steps", "0"], "trainer.max_steps"),
+    "train-zero-width": ([*TRAIN, "--model.d_model", "0"], "model.d_model"),
+    "train-seq-len-above-model": ([*TRAIN, "--data.seq_len", "128"], "max_seq_len"),
+    "train-zero-devices": ([*TRAIN, "--strategy.devices", "0"], "strategy.devices"),
+    "train-missing-resume-checkpoint": ([*TRAIN, "--resume", "nowhere.ckpt"], "nowhere.ckpt"),
+    "train-resume-last-without-checkpoint": ([*TRAIN, "--resume", "last"], "no checkpoint"),
+    "train-resume-from-a-file-that-is-no-checkpoint": ([*TRAIN, "--resume", "file.txt"], "file.txt"),
+    # lm export
+    "export-missing-checkpoint": (["export", "--checkpoint", "nowhere.ckpt", "--out", "exported"], "nowhere.ckpt"),
+    "export-out-is-a-file": (["export", "--checkpoint", "run", "--out", "file.txt"], "file.txt"),
+    "export-unknown-format": (["export", "--checkpoint", "run", "--out", "exported", "--format", "onnx"], "format"),
+    # lm eval ppl
+    "ppl-zero-batch": (["eval", "ppl", "--checkpoint", "run", "--batch_size", "0"], "batch_size"),
+    "ppl-negative-seq-len": (["eval", "ppl", "--checkpoint", "run", "--seq_len", "-4"], "seq_len"),
+    "ppl-zero-max-windows": (["eval", "ppl", "--checkpoint", "run", "--max_windows", "0"], "max_windows"),
+    "ppl-zero-multiple": (["eval", "ppl", "--checkpoint", "run", "--multiples", "[0]"], "multiples"),
+    "ppl-missing-data": (["eval", "ppl", "--checkpoint", "run", "--data", "nowhere"], "nowhere"),
+    "ppl-out-is-a-file": (["eval", "ppl", "--checkpoint", "run", "--out", "file.txt"], "file.txt"),
+    # lm eval harness
+    "harness-missing-checkpoint": (["eval", "harness", "--checkpoint", "nowhere", "--tasks", "[lambada_openai]"],
+                                   "nowhere"),
+    "harness-zero-batch": (["eval", "harness", "--checkpoint", "run", "--tasks", "[lambada_openai]",
+                            "--batch_size", "0"], "batch_size"),
+    "harness-negative-limit": (["eval", "harness", "--checkpoint", "run", "--tasks", "[lambada_openai]",
+                                "--limit", "-1"], "limit"),
+    "harness-nothing-to-run": (["eval", "harness", "--checkpoint", "run"], "nothing to run"),
+    "harness-missing-include-path": (["eval", "harness", "--checkpoint", "run", "--tasks", "[lambada_openai]",
+                                      "--include_path", "nowhere"], "nowhere"),
+    # lm eval longctx
+    "longctx-zero-samples": (["eval", "longctx", "--checkpoint", "run", "--samples", "0"], "samples"),
+    "longctx-depth-above-one": (["eval", "longctx", "--checkpoint", "run", "--depths", "[1.5]"],
+                                "depth must lie in [0, 1]"),
+    "longctx-zero-length": (["eval", "longctx", "--checkpoint", "run", "--lengths", "[0]"], "length 0"),
+    "longctx-unknown-probe": (["eval", "longctx", "--checkpoint", "run", "--probes", "[nope]"], "nope"),
+    # lm eval passkey
+    "passkey-zero-steps": (["eval", "passkey", "--data", "data", "--out", "pk", "--steps", "0"], "steps"),
+    "passkey-width-not-a-multiple-of-32": (["eval", "passkey", "--data", "data", "--out", "pk", "--d_model", "48"],
+                                           "multiple of 32"),
+    "passkey-missing-data": (["eval", "passkey", "--data", "nowhere", "--out", "pk"], "nowhere"),
+    "passkey-length-too-short-for-the-probe": (["eval", "passkey", "--data", "data", "--out", "pk", "--length", "16"],
+                                               "length 16"),
+    "passkey-out-is-a-file": (["eval", "passkey", "--data", "data", "--out", "file.txt"], "file.txt"),
+    # lm eval mqar
+    "mqar-unknown-mixer": (["eval", "mqar", "--mixers", "[nope]"], "nope"),
+    "mqar-zero-batch": (["eval", "mqar", "--mixers", "[attention]", "--batch", "0"], "--batch"),
+    "mqar-zero-steps": (["eval", "mqar", "--mixers", "[attention]", "--steps", "0"], "steps"),
+    "mqar-too-many-pairs": (["eval", "mqar", "--mixers", "[attention]", "--pairs", "20"], "pairs"),
+    "mqar-json-out-in-missing-folder": (["eval", "mqar", "--mixers", "[attention]", "--json_out", "nowhere/rows.json"],
+                                        "nowhere"),
+    # lm eval mqar-grid
+    "mqar-grid-too-few-steps": (["eval", "mqar-grid", "--out", "grid", "--steps", "5"], "steps"),
+    "mqar-grid-cell-out-of-range": (["eval", "mqar-grid", "--quick", "true", "--out", "grid", "--cell", "999"],
+                                    "--cell 999"),
+    "mqar-grid-negative-lr": (["eval", "mqar-grid", "--quick", "true", "--out", "grid", "--lrs", "[-0.001]"], "lrs"),
+    "mqar-grid-out-is-a-file": (["eval", "mqar-grid", "--quick", "true", "--out", "file.txt"], "file.txt"),
+    # lm eval icl
+    "icl-zero-steps": (["eval", "icl", "--out", "icl", "--steps", "0"], "steps"),
+    "icl-negative-lr": (["eval", "icl", "--out", "icl", "--lr", "-1"], "--lr must be positive"),
+    "icl-unknown-block": (["eval", "icl", "--out", "icl", "--blocks", "[huge]"], "blocks"),
+    "icl-out-is-a-file": (["eval", "icl", "--out", "file.txt"], "file.txt"),
+    # lm generate
+    "generate-negative-token-count": (["generate", "--checkpoint", "run", "--max_new_tokens", "-1"],
+                                      "max_new_tokens"),
+    "generate-top-p-above-one": (["generate", "--checkpoint", "run", "--top_p", "1.5"], "top_p"),
+    "generate-top-p-zero": (["generate", "--checkpoint", "run", "--top_p", "0"], "top_p"),
+    "generate-negative-temperature": (["generate", "--checkpoint", "run", "--temperature", "-0.5"], "temperature"),
+    "generate-zero-top-k": (["generate", "--checkpoint", "run", "--top_k", "0"], "top_k"),
+    "generate-missing-checkpoint": (["generate", "--checkpoint", "nowhere"], "nowhere"),
+    # lm bench
+    "bench-train-zero-steps": (["bench", "train", "--steps", "0"], "steps"),
+    "bench-mixer-zero-repeats": (["bench", "mixer", "--repeats", "0"], "repeats"),
+    "bench-memory-zero-batch": (["bench", "memory", "--batch", "0"], "batch"),
+    "bench-data-zero-seq-len": (["bench", "data", "--seq_len", "0"], "seq_len"),
+    "bench-data-missing-data": (["bench", "data", "--data", "nowhere"], "nowhere"),
+    "bench-peers-zero-steps": (["bench", "peers", "--steps", "0"], "steps"),
+    "bench-strategies-missing-data": (["bench", "strategies", "--data", "nowhere"], "nowhere"),
+    "bench-strategies-width-not-a-multiple-of-64": (["bench", "strategies", "--data", "data", "--d_model", "100"],
+                                                    "d_model"),
+    "bench-mesa-ablation-zero-steps": (["bench", "mesa-ablation", "--out", "ablation", "--steps", "0"], "steps"),
+    "bench-mesa-ablation-missing-data": (["bench", "mesa-ablation", "--out", "ablation", "--data", "nowhere"],
+                                         "nowhere"),
+    "bench-ab-zero-repeats": (["bench", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
+    "bench-ab-unknown-mixer": (["bench", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
+    "bench-hf-generate-zero-tokens": (["bench", "hf-generate", "--tokens", "0"], "tokens"),
+    # lm slurm submit (dry runs) and status
+    "slurm-submit-zero-nodes": ([*SUBMIT, "--nodes", "0", *TRAIN_ARGS], "nodes"),
+    "slurm-submit-zero-cpus": ([*SUBMIT, "--cpus_per_task", "0", *TRAIN_ARGS], "cpus_per_task"),
+    "slurm-submit-negative-gpus": ([*SUBMIT, "--gpus_per_node", "-1", *TRAIN_ARGS], "gpus_per_node"),
+    "slurm-submit-negative-signal": ([*SUBMIT, "--signal_seconds", "-1", *TRAIN_ARGS], "signal_seconds"),
+    "slurm-submit-negative-lr": ([*SUBMIT, *TRAIN_ARGS, "--optim.lr", "-1"], "optim.lr"),
+    "slurm-submit-missing-sweep": ([*SUBMIT, "--array", "nowhere.yaml"], "nowhere.yaml"),
+    "slurm-submit-zero-tasks": ([*SUBMIT, "--kind", "eval", "--tasks", "0", "--", "mqar-grid", "--out", "grid"],
+                                "--tasks"),
+    "slurm-submit-unknown-option": ([*SUBMIT, "--nodez", "2", *TRAIN_ARGS], "unknown config key 'nodez'"),
+    "slurm-status-missing-run": (["slurm", "status", "nowhere"], "nowhere"),
+    "slurm-status-run-without-jobs": (["slurm", "status", "run"], "no SLURM jobs"),
+    # lm compare
+    "compare-plan-negative-params": (["compare", "plan", "--params", "-1", "--out", "plan"], "params"),
+    "compare-plan-unknown-arch": (["compare", "plan", "--archs", "nope", "--params", "1e6", "--out", "plan"], "nope"),
+    "compare-plan-negative-lr": ([*PLAN, "--lrs", "[-0.001]"], "--lrs"),
+    "compare-plan-missing-base": ([*PLAN, "--base", "nowhere.yaml"], "nowhere.yaml"),
+    "compare-plan-zero-global-batch": ([*PLAN, "--global_batch", "0"], "global_batch"),
+    "compare-plan-out-is-a-file": ([*PLAN, "--out", "file.txt"], "file.txt"),
+    "compare-report-missing-run": (["compare", "report", "nowhere"], "nowhere"),
+    "compare-report-out-is-a-file": (["compare", "report", "run", "--out", "file.txt"], "file.txt"),
+    "compare-report-missing-table": (["compare", "report", "run", "--tables", '{"extra": "nowhere.csv"}'],
+                                     "nowhere.csv"),
+    "compare-report-zero-position": (["compare", "report", "run", "--positions", "[0]"], "positions"),
+    "compare-demo-negative-params": (["compare", "demo", "--out", "cdemo", "--params", "-1"], "params"),
+    "compare-demo-missing-data": (["compare", "demo", "--out", "cdemo", "--data", "nowhere"], "nowhere"),
+    "compare-demo-unknown-arch": (["compare", "demo", "--out", "cdemo", "--data", "data", "--archs", "[nope]"],
+                                  "nope"),
+    "compare-demo-zero-vocab": (["compare", "demo", "--out", "cdemo", "--vocab_size", "0"], "vocab"),
+    "compare-documents-unknown-mixer": (["compare", "documents", "--out", "cdocs", "--mixers", "[nope]"], "nope"),
+    "compare-documents-odd-width": (["compare", "documents", "--out", "cdocs", "--d_model", "63"], "d_model"),
+    "compare-documents-missing-data": (["compare", "documents", "--out", "cdocs", "--data", "nowhere"], "nowhere"),
+    # lm demo
+    "demo-missing-recipe": (["demo", "--run_dir", "demo", "--recipe", "nowhere.yaml"], "nowhere.yaml"),
+    "demo-unknown-mixer": (["demo", "--run_dir", "demo", "--mixer", "nope"], "nope"),
+    "demo-negative-sample-tokens": (["demo", "--run_dir", "demo", "--sample_tokens", "-1"], "sample_tokens"),
+    "demo-zero-steps": (["demo", "--run_dir", "demo", "--max_steps", "0"], "max_steps"),
+    "demo-run-dir-is-a-file": (["demo", "--run_dir", "file.txt"], "file.txt"),
+}
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every directory and file under root: (kind, size, sha256); a directory's presence counts too."""
+    state = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            state[os.path.relpath(Path(folder, name), root)] = ("dir",)
+        for name in files:
+            path = Path(folder, name)
+            state[os.path.relpath(path, root)] = ("file", path.stat().st_size,
+                                                  hashlib.sha256(path.read_bytes()).hexdigest())
+    return state
+
+
+@pytest.fixture(scope="module")
+def template(kjv_data, tmp_path_factory) -> Path:
+    """The working directory's contents: a run whose step-0 checkpoint is an untrained tiny model (nothing trains),
+    a copy of the prepared data, a valid training config and a plain file."""
+    from lm.checkpoint import manifest_of, write_manifest
+    from lm.model import LanguageModel, LMConfig
+
+    root = tmp_path_factory.mktemp("bad-input") / "template"
+    shutil.copytree(kjv_data, root / "data")
+    run = root / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copyfile(root / "data" / "tokenizer.json", run / "tokenizer.json")
+    (run / "config.yaml").write_text(TRAIN_YAML.replace("run_dir: newrun", "run_dir: run"))
+    config = LMConfig(vocab_size=512, d_model=32, n_layers=1, n_heads=2, head_dim=16, max_seq_len=64)
+    model = LanguageModel(config)
+    checkpoint = run / "checkpoints" / "step=00000000.ckpt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "hyper_parameters": {"model": asdict(config)}}, checkpoint)
+    write_manifest(checkpoint, manifest_of(checkpoint))  # as StepCheckpoint completes one
+    (root / "train.yaml").write_text(TRAIN_YAML)
+    (root / "file.txt").write_text("a plain file where a directory is expected\n")
+    return root
+
+
+def test_every_command_has_a_case():
+    named = {" ".join(argv[:2]) if " ".join(argv[:2]) in COMMANDS else argv[0] for argv, _ in CASES.values()}
+    assert set(COMMANDS) <= named, set(COMMANDS) - named
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(("argv", "expected"), [pytest.param(*case, id=name)
+                                                for name, case in CASES.items()])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(argv, expected, template, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    shutil.copytree(template, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no site file of lm slurm from the user's home
+    monkeypatch.delenv("LM_SLURM_SITE", raising=False)
+    before = tree_state(work)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(err) == 1 and err[0].startswith("lm ") and expected in err[0], err
+    assert tree_state(work) == before
