@@ -71,6 +71,47 @@ class TrainerConfig:
 
 
 @dataclass
+class InLoopEvalConfig:
+    """Evaluation of the current weights during training (OLMo-core's DownstreamEvaluator, gpt-neox's eval_tasks),
+    by eval/in_loop.py; its results are logged beside the loss as eval/TASK/METRIC.
+
+    Args:
+        every: Evaluate every this many optimizer steps (0: never).
+        tasks: lm-eval task names: lm-eval's own, or local YAMLs under include_path (which work offline).
+        include_path: A folder of lm-eval task YAMLs.
+        limit: Examples per task (None: all).
+        probes: Long-context probes generated here (eval.longctx: passkey, single, multikey, multivalue, mqar, vt),
+            evaluated as lm-eval tasks at probe_length tokens.
+        probe_length: Prompt length of the probes, in tokens.
+        probe_samples: Examples per probe.
+        batch_size: Sequences per forward pass.
+    """
+
+    every: int = 0
+    tasks: list[str] = field(default_factory=list)
+    include_path: str | None = None
+    limit: int | None = None
+    probes: list[str] = field(default_factory=list)
+    probe_length: int = 256
+    probe_samples: int = 8
+    batch_size: int = 4
+
+    def __post_init__(self):
+        at_least("eval.every", self.every, 0)
+        for name in ("probe_length", "probe_samples", "batch_size"):
+            at_least(f"eval.{name}", getattr(self, name), 1)
+        if self.limit is not None:
+            at_least("eval.limit", self.limit, 1)
+        if self.every and not (self.tasks or self.probes):
+            raise UserError("eval.every is set but there is nothing to evaluate: give eval.tasks or eval.probes")
+        if self.include_path is not None and not Path(self.include_path).is_dir():
+            raise UserError(f"eval.include_path {self.include_path} is not a folder")
+        probes = ("passkey", "single", "multikey", "multivalue", "mqar", "vt")  # eval.longctx.probes.PROBES
+        if unknown := [p for p in self.probes if p not in probes]:
+            raise UserError(f"eval.probes: unknown {', '.join(unknown)}; known: {', '.join(probes)}")
+
+
+@dataclass
 class RunConfig:
     """Everything a training run needs; `lm train --print_config` shows it resolved."""
 
@@ -79,6 +120,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    eval: InLoopEvalConfig = field(default_factory=InLoopEvalConfig)
     run_dir: str = "runs/default"
     seed: int = 0
 
@@ -132,5 +174,5 @@ def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
     namespace.pop("config", None)
     yaml = parser.dump(namespace, skip_none=False)
     config = RunConfig(model=run.model, data=run.data, optim=run.optim, trainer=run.trainer,
-                       strategy=run.strategy, run_dir=run.run_dir, seed=run.seed)
+                       strategy=run.strategy, eval=run.eval, run_dir=run.run_dir, seed=run.seed)
     return config, resume, yaml

@@ -4,8 +4,9 @@ with nothing else changed (not the data, not the code under test).
     LM_FAULTS="signal@checkpoint,nan_grad@3,nan_grad@4" lm train ...
 
 - `signal@MOMENT` sends this process SIGUSR1 (a scheduler's stop notice) once, at MOMENT: `fit_start`, `step:N`
-  (after optimizer step N), `validation` (at its start), `checkpoint` (while a checkpoint is being written) or
-  `train_end` (after the last step). (The interpreter's own shutdown comes after anything here could run: tests send
+  (at the end of the first micro-batch after optimizer step N: mid-accumulation when there is any), `validation` (at
+  its start), `checkpoint` (while a checkpoint is being written) or `train_end` (after the last step). `sigterm@MOMENT`
+  sends SIGTERM (a time limit) instead. (The interpreter's own shutdown comes after anything here could run: tests send
   those notices from outside.)
 - `nan_grad@N` makes every gradient of optimizer step N (0-based, the trainer's global_step then) NaN, as a
   diverging step would; on every rank, so that they agree as real non-finite gradients (all-reduced) would.
@@ -23,6 +24,7 @@ from lm.errors import UserError
 
 ENV = "LM_FAULTS"
 MOMENTS = ("fit_start", "validation", "checkpoint", "train_end")
+SIGNALS = {"signal": signal.SIGUSR1, "sigterm": signal.SIGTERM}
 
 
 def planned() -> list[tuple[str, str]]:
@@ -30,24 +32,22 @@ def planned() -> list[tuple[str, str]]:
     faults = []
     for entry in filter(None, os.environ.get(ENV, "").split(",")):
         kind, _, where = entry.strip().partition("@")
-        valid = (kind == "signal" and (where in MOMENTS or (where.startswith("step:") and where[5:].isdigit()))) or \
-            (kind == "nan_grad" and where.isdigit())
-        if not valid:
-            raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT with MOMENT in {', '.join(MOMENTS)} or "
-                             "step:N, or nan_grad@N)")
+        moment = where in MOMENTS or (where.startswith("step:") and where[5:].isdigit())
+        if not ((kind in SIGNALS and moment) or (kind == "nan_grad" and where.isdigit())):
+            raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT or sigterm@MOMENT with MOMENT in "
+                            f"{', '.join(MOMENTS)} or step:N, or nan_grad@N)")
         faults.append((kind, where))
     return faults
 
 
 class InjectFaults(L.Callback):
     def __init__(self, faults: list[tuple[str, str]]):
-        self.signal_at = {where for kind, where in faults if kind == "signal"}
+        self.signal_at = {where: SIGNALS[kind] for kind, where in faults if kind in SIGNALS}
         self.nan_steps = {int(where) for kind, where in faults if kind == "nan_grad"}
 
     def _signal(self, moment: str) -> None:
         if moment in self.signal_at:
-            self.signal_at.discard(moment)
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), self.signal_at.pop(moment))
 
     def on_fit_start(self, trainer, pl_module):
         self._signal("fit_start")

@@ -21,7 +21,11 @@ class GracefulStop(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self._seen_step = trainer.global_step
-        self._previous = stop_request.listen()  # again: Lightning installs its own SIGTERM handler at fit start
+
+    def on_train_start(self, trainer, pl_module):
+        # Again, and here: Lightning installs its own SIGTERM handler after on_fit_start. Left in place, it ends
+        # training at once with no checkpoint, and `lm train` would exit 0 as if the run were complete.
+        self._previous = stop_request.listen()
 
     def on_fit_end(self, trainer, pl_module):
         for sig, handler in self._previous.items():

@@ -175,6 +175,10 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
     if t.rank_every:
         callbacks.append(RankMonitor(t.rank_every))
+    if config.eval.every:
+        from eval.in_loop import InLoopEval
+
+        callbacks.append(InLoopEval(config.eval, run_dir))
     if faults := planned_faults():  # tests only: LM_FAULTS (lm.faults)
         callbacks.append(InjectFaults(faults))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.

@@ -243,6 +243,56 @@ def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+LOCAL_TASKS = {
+    "lm_local_choice": """task: lm_local_choice
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
+""",
+    "lm_local_text": """task: lm_local_text
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{context}}}}{{{{choices[0]}}}}"
+metric_list: [{{metric: word_perplexity}}]
+"""}
+
+
+def test_in_loop_evaluation_under_ddp_scores_as_lm_eval_harness_on_the_checkpoint(kjv_data, tmp_path):
+    """`eval.every` on 2 DDP processes: every rank evaluates the current weights (and they agree, or the run
+    stops); the logged scores are those `lm eval harness` gives the checkpoint of the same step."""
+    import json
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    with open(tasks / "local.jsonl", "w") as f:
+        for context, right, wrong in [("In the beginning", " God created", " the waters"),
+                                      ("And God said,", " Let there be light", " the evening"),
+                                      ("And the evening and the morning were the", " first day", " firmament")]:
+            f.write(json.dumps({"context": context, "choices": [right, wrong]}) + "\n")
+    for name, text in LOCAL_TASKS.items():
+        (tasks / f"{name}.yaml").write_text(text.format(dir=tasks))
+    run_dir = tmp_path / "run"
+    train(base_config(tmp_path, kjv_data, steps=4, ckpt_every=4), run_dir, *STRATEGIES["ddp"], "--eval.every", "4",
+          "--eval.tasks", "[lm_local_choice, lm_local_text]", "--eval.include_path", str(tasks))
+    with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
+        (logged,) = [r for r in csv.DictReader(f) if r.get("eval/lm_local_text/word_perplexity")]
+    assert logged["step"] == "3"  # the row of step 4's loss
+    assert main(["eval", "harness", "--checkpoint", str(run_dir / "checkpoints" / "step=00000004.ckpt"), "--tasks",
+                 "[lm_local_choice, lm_local_text]", "--include_path", str(tasks), "--out", str(tmp_path / "h")]) == 0
+    results = json.loads((tmp_path / "h" / "results.json").read_text())["results"]
+    assert float(logged["eval/lm_local_choice/acc"]) == results["lm_local_choice"]["acc,none"]
+    assert float(logged["eval/lm_local_text/word_perplexity"]) == pytest.approx(
+        results["lm_local_text"]["word_perplexity,none"], rel=1e-5)
+
+
 def test_batch_arithmetic():
     assert resolve_accumulation(256, micro_batch=16, accumulate=None, world=1) == 16
     assert resolve_accumulation(256, micro_batch=16, accumulate=None, world=8) == 2

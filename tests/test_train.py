@@ -211,6 +211,29 @@ def test_a_stop_notice_at_any_moment_ends_in_0_or_75_and_the_run_then_matches(st
                             tmp_path / name / "checkpoints" / "step=00000008.ckpt")
 
 
+def test_sigterm_mid_accumulation_stops_at_the_step_boundary_and_resumes_exactly(kjv_data, tmp_path):
+    """A time limit's SIGTERM in the middle of an accumulation (2 micro-batches per step): all of the step is done,
+    a checkpoint written, exit 75; the rerun ends with the weights of the run never stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lm.stop_request import STOPPED_EXIT_CODE
+
+    def launch(name: str, faults: str) -> int:
+        config = config_file(tmp_path, kjv_data, tmp_path / name)
+        cmd = [sys.executable, "-m", "lm.cli", "train", "--config", str(config), "--data.micro_batch", "2",
+               "--trainer.accumulate", "2"]
+        env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "LM_FAULTS": faults}
+        return subprocess.run(cmd, env=env, capture_output=True, text=True).returncode
+
+    with ThreadPoolExecutor(2) as pool:
+        reference, stopped = pool.map(launch, ["reference", "stopped"], ["", "sigterm@step:2"])
+    assert (reference, stopped) == (0, STOPPED_EXIT_CODE)
+    assert newest_checkpoint(tmp_path / "stopped" / "checkpoints").name == "step=00000003.ckpt"
+    assert launch("stopped", "") == 0
+    assert_same_weights(tmp_path / "reference/checkpoints/step=00000008.ckpt",
+                        tmp_path / "stopped/checkpoints/step=00000008.ckpt")
+
+
 def test_non_finite_gradients_skip_their_steps_and_enough_in_a_row_stop_the_run(kjv_data, tmp_path, monkeypatch,
                                                                                 capsys):
     """lm.faults makes the gradients of steps 2 and 3 NaN. Those steps leave the weights and AdamW's moments as they
