@@ -1,6 +1,6 @@
 """Is the data path ever the bottleneck? (`lm bench data`)
 
-1. The training data loader (lm.data.TokenDataModule, as `lm train` builds it) against what training consumes:
+1. The training data loader (lm.training.data.TokenDataModule, as `lm train` builds it) against what training consumes:
    its tokens/s over a training step's tokens/s of a model, both measured here.
 2. data_prep's tokenizing stage (data_prep.prepare.encode: batches through the Rust thread pool into token arrays)
    against `tokenizers`' own `encode_batch` on the same documents with the same tokenizer; and the whole
@@ -20,9 +20,9 @@ from data_prep.prepare import encode, prepare
 from data_prep.shards import load_manifest
 from data_prep.sources import iter_documents
 from data_prep.tokenizer import load_tokenizer, separator
-from lm.data import DataConfig, TokenDataModule
 from lm.errors import UserError
 from lm.model import LMConfig
+from lm.training.data import DataConfig, TokenDataModule
 
 
 def loader_tokens_per_s(path: str, seq_len: int, micro_batch: int, num_workers: int, batches: int) -> float:

@@ -18,7 +18,7 @@ from bench.train_speed import device_name
 from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.module import next_token_loss
+from lm.training.module import next_token_loss
 
 
 def rss_kib() -> int:

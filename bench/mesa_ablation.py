@@ -67,8 +67,8 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
 
     import torch
 
-    from lm.checkpoint import newest_checkpoint
     from lm.mixers import MIXERS
+    from lm.training.checkpoint import newest_checkpoint
 
     if not hasattr(MIXERS[mixer], "gate_bias_drift"):
         return "", ""

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from bench.mixer_speed import forward_backward, op_inputs
 from bench.timing import best_interleaved
 from bench.train_speed import device_name
+from lm.accounting.flops import train_flops_per_token
 from lm.errors import UserError
-from lm.flops import train_flops_per_token
 from lm.mixers import MLSTM
 from lm.model import LanguageModel, LMConfig
-from lm.module import next_token_loss
 from lm.ops import mlstm
+from lm.training.module import next_token_loss
 
 PEERS_INSTALL = 'pip install --no-deps "litgpt==0.5.13" "mlstm_kernels==2.0.6" einops'
 

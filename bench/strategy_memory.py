@@ -60,10 +60,10 @@ class CountAfterStep(L.Callback):
 def run_one(argv: list[str]) -> None:
     """One rank of one strategy (the entry point Lightning's launcher re-runs for rank 1)."""
     from lm.config import parse_run_config
-    from lm.data import TokenDataModule
-    from lm.graceful_stop import GracefulStop
-    from lm.module import LMModule
-    from lm.train import batch_plan, build_trainer
+    from lm.training.callbacks.graceful_stop import GracefulStop
+    from lm.training.data import TokenDataModule
+    from lm.training.module import LMModule
+    from lm.training.train import batch_plan, build_trainer
 
     out, argv = Path(argv[0]), argv[1:]
     config, _, _ = parse_run_config(argv)
@@ -110,7 +110,7 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
                            capture_output=True)
             ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
         rows.append({"strategy": name, "bytes_per_rank": [r["bytes"] for r in ranks]})
-    from lm.flops import param_count
+    from lm.accounting.flops import param_count
     from lm.model import LMConfig
 
     params = param_count(LMConfig(vocab_size=VOCAB, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64,

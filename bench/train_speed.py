@@ -1,6 +1,6 @@
 """Training throughput per model and its MFU, every model measured in the same process.
 
-MFU here is the model's analytic training FLOP/s (lm.flops) over the best square-matmul FLOP/s this process
+MFU here is the model's analytic training FLOP/s (lm.accounting.flops) over the best square-matmul FLOP/s this process
 reaches on the same device, in the same precision: a ratio against measured peak, not a datasheet figure. A
 datasheet peak (`peak_flops`, e.g. 989e12 for an H100/H200 in dense bf16) adds a second MFU column.
 
@@ -14,11 +14,11 @@ import time
 
 import torch
 
+from lm.accounting.flops import train_flops_per_token
 from lm.config import parse_run_config
 from lm.errors import UserError
-from lm.flops import train_flops_per_token
 from lm.model import LanguageModel, LMConfig
-from lm.module import next_token_loss
+from lm.training.module import next_token_loss
 
 
 def sync(device: torch.device):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import yaml
 
-from lm.flops import param_count
+from lm.accounting.flops import param_count
+from lm.accounting.sizing import match_params_by_mlp
 from lm.mixers import MIXERS
 from lm.model import LMConfig
-from lm.sizing import match_params_by_mlp
 
 HERE = Path(__file__).parent
 SIZES = ("145m", "400m", "1b")

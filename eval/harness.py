@@ -15,8 +15,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
 from data_prep.tokenizer import separator
-from lm.checkpoint import load_with_tokenizer
 from lm.errors import UserError
+from lm.training.checkpoint import load_with_tokenizer
 
 
 @register_model("lm")

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 import yaml
 
 from eval.wandb_log import log_to_run
-from lm.checkpoint import load_model, run_dir_of
-from lm.data import TokenStream, ValidationWindows
 from lm.errors import UserError
 from lm.mixers.layers import steps_since_reset
+from lm.training.checkpoint import load_model, run_dir_of
+from lm.training.data import TokenStream, ValidationWindows
 
 
 def positions_in_documents(inputs: torch.Tensor, separator: int | None) -> torch.Tensor:

@@ -116,7 +116,7 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
 
     from eval.harness import LMHarness
     from eval.wandb_log import log_to_run
-    from lm.checkpoint import run_dir_of
+    from lm.training.checkpoint import run_dir_of
 
     manager = loaded_task_manager(names, [str(TASKS)] + ([include_path] if include_path else []),
                                   spec.get("metadata"))

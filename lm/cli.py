@@ -4,7 +4,7 @@ status 2."""
 
 import sys
 
-from lm import stop_request
+from lm.training import stop_request
 
 if sys.argv[1:2] == ["train"]:
     stop_request.listen()  # before the heavy imports below: a preemption notice may come that early
@@ -16,12 +16,12 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.config_errors import error_line
 from lm.errors import Diverged, UserError
-from lm.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
+from lm.training.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
 
 # command -> "module:function"; the function's signature is the command's options.
 COMMANDS = {
     "prepare": "data_prep.prepare:prepare",
-    "train": "lm.train:train_from_args",
+    "train": "lm.training.train:train_from_args",
     "export": "lm.export:export",
     "eval ppl": "eval.ppl:evaluate_ppl",
     "eval mqar": "eval.mqar:mqar_table",

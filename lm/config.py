@@ -6,11 +6,11 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lm.config_errors import error_line
-from lm.data import DataConfig
 from lm.errors import UserError
 from lm.model import LMConfig
-from lm.schedule import OptimConfig
-from lm.strategy import StrategyConfig
+from lm.training.data import DataConfig
+from lm.training.schedule import OptimConfig
+from lm.training.strategy import StrategyConfig
 
 
 @dataclass
@@ -33,9 +33,9 @@ class TrainerConfig:
         wandb_project: Its project.
         wandb_mode: "offline" (default: nothing leaves the machine) or "online".
         rank_every: Log the effective rank of each attention layer's W_Q^T W_K and W_O W_V products (mean over
-            heads) every this many optimizer steps (0: never; lm.rank_monitor).
-        stop_after_skips: Steps with non-finite gradients are skipped (lm.stability); this many in a row stop the
-            run with a checkpoint.
+            heads) every this many optimizer steps (0: never; lm.training.callbacks.rank_monitor).
+        stop_after_skips: Steps with non-finite gradients are skipped (callbacks/stability.py); this many in a
+            row stop the run with a checkpoint.
     """
 
     max_steps: int = 1000
@@ -136,8 +136,8 @@ def at_least(name: str, value: int, least: int) -> None:
 
 
 def check_data(d: DataConfig) -> None:
-    """The data section's sizes, which DataConfig (lm/data.py) leaves unchecked; a zero micro-batch would otherwise
-    fail only inside the first training step, after the run directory is written."""
+    """The data section's sizes, which DataConfig (training/data.py) leaves unchecked; a zero micro-batch would
+    otherwise fail only inside the first training step, after the run directory is written."""
     for name in ("seq_len", "micro_batch"):
         at_least(f"data.{name}", getattr(d, name), 1)
     for name in ("global_batch", "global_batch_tokens"):

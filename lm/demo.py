@@ -38,7 +38,7 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
     from eval.ppl import evaluate_ppl, unigram_ppl
     from lm.config import parse_run_config
     from lm.generate import generate_text
-    from lm.train import train
+    from lm.training.train import train
 
     if not Path(recipe).is_file():
         raise UserError(f"demo recipe {recipe} not found")

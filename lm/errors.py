@@ -6,4 +6,4 @@ class UserError(Exception):
 
 
 class Diverged(Exception):
-    """`lm train` stopped after too many steps in a row with non-finite gradients, with a checkpoint (lm.stability)."""
+    """`lm train` stopped after too many steps in a row with non-finite gradients, with a checkpoint (stability.py)."""

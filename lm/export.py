@@ -9,10 +9,10 @@ from typing import Literal
 
 from safetensors.torch import save_file
 
-from lm.checkpoint import resolve_checkpoint, run_dir_of
-from lm.consolidate import consolidate
 from lm.errors import UserError
 from lm.model import LMConfig
+from lm.training.checkpoint import resolve_checkpoint, run_dir_of
+from lm.training.consolidate import consolidate
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 

@@ -3,8 +3,8 @@
 import torch
 
 from data_prep.tokenizer import separator
-from lm.checkpoint import load_with_tokenizer
 from lm.errors import UserError
+from lm.training.checkpoint import load_with_tokenizer
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:

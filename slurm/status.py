@@ -4,8 +4,8 @@ and its newest checkpoint."""
 import csv
 from pathlib import Path
 
-from lm.checkpoint import newest_checkpoint
 from lm.errors import UserError
+from lm.training.checkpoint import newest_checkpoint
 from slurm import scheduler
 
 

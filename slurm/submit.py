@@ -187,8 +187,8 @@ def plan_train(args: list[str], opts: SlurmOptions, stamp: str) -> PlannedRun:
 
 def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None, tasks: int | None = None) -> PlannedRun:
     """An `lm eval` command, checked as the CLI would parse it; one process (per array task with `tasks`)."""
-    from lm.checkpoint import run_dir_of
     from lm.cli import COMMANDS, function_parser, load_command
+    from lm.training.checkpoint import run_dir_of
 
     evals = [c.split()[1] for c in COMMANDS if c.startswith("eval ")]
     if not command or command[0] not in evals:

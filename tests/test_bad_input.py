@@ -190,8 +190,8 @@ def tree_state(root: Path) -> dict[str, tuple]:
 def template(kjv_data, tmp_path_factory) -> Path:
     """The working directory's contents: a run whose step-0 checkpoint is an untrained tiny model (nothing trains),
     a copy of the prepared data, a valid training config and a plain file."""
-    from lm.checkpoint import manifest_of, write_manifest
     from lm.model import LanguageModel, LMConfig
+    from lm.training.checkpoint import manifest_of, write_manifest
 
     root = tmp_path_factory.mktemp("bad-input") / "template"
     shutil.copytree(kjv_data, root / "data")

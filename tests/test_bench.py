@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 
 from bench.train_speed import bench_train
+from lm.accounting.flops import train_flops_per_token
 from lm.cli import main
-from lm.flops import train_flops_per_token
 from lm.model import LMConfig
 
 ROOT = Path(__file__).resolve().parents[1]

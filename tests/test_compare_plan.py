@@ -1,5 +1,5 @@
-"""`lm compare plan`: every architecture matched within 2% at three budgets in both modes, checked against lm.flops
-and a built model; the budget arithmetic; the written configs load; bad input is one line and exit status 2."""
+"""`lm compare plan`: every architecture matched within 2% at three budgets in both modes, checked against the FLOP
+formulas and a built model; the budget arithmetic; the written configs load; bad input is one line and exit status 2."""
 
 import math
 import subprocess
@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
+from lm.accounting.flops import param_count, train_flops_per_token
 from lm.compare.plan import plan
 from lm.config import parse_run_config
 from lm.errors import UserError
-from lm.flops import param_count, train_flops_per_token
 from lm.model import LanguageModel, LMConfig
 from slurm.submit import sweep_runs
 

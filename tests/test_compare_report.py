@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lm.accounting.flops import param_count, train_flops_per_token
 from lm.cli import main
-from lm.flops import param_count, train_flops_per_token
 from lm.model import LMConfig
 
 PLOTS = ["loss_vs_flops.png", "loss_vs_tokens.png", "lr_grid.png", "nll_vs_attention.png", "longctx_grids.png"]

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.accounting.flops import param_count
 from lm.config import parse_run_config
-from lm.flops import param_count
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 

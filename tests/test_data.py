@@ -8,8 +8,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lm.data import DataConfig, TokenDataModule, TokenStream, TrainWindows, ValidationWindows, count_windows, window_at
 from lm.errors import UserError
+from lm.training.data import (
+    DataConfig,
+    TokenDataModule,
+    TokenStream,
+    TrainWindows,
+    ValidationWindows,
+    count_windows,
+    window_at,
+)
 
 SEQ = 64
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lm.checkpoint import load_model, newest_checkpoint
 from lm.cli import main
-from lm.data import TokenStream, ValidationWindows
+from lm.training.checkpoint import load_model, newest_checkpoint
+from lm.training.data import TokenStream, ValidationWindows
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""lm.flops against torch.utils.flop_counter.FlopCounterMode on the CPU torch path (float32): the ops, the attention
-mixer, the SwiGLU MLP, every mixer and whole models, forward and forward + backward, at two sizes each.
+"""accounting.flops against torch.utils.flop_counter.FlopCounterMode on the CPU torch path (float32): the ops,
+the attention mixer, the SwiGLU MLP, every mixer and whole models, forward and forward + backward, at two sizes each.
 
 The counter counts matrix products (mm, bmm, einsum, convolutions), as the formulas do; where it is blind, the test
 says so and bridges the gap by a stated rule, never by measuring it:
 - `linalg_solve_triangular` (the delta rule's UT transform) has no counter formula: it gets the textbook count here;
 - PyTorch's CPU flash kernel for scaled_dot_product_attention has none either, so attention runs on the math backend,
-  where the counter sees the full T x T products; lm.flops counts the causal half ((T + 1) / 2 average context);
+  where the counter sees the full T x T products; accounting.flops counts the causal half ((T + 1) / 2 average context);
 - the counter's convolution backward ignores groups, overcounting the depthwise short convs' weight gradient by
   their channel count: it gets the forward's count per gradient here;
 - elementwise work is not counted by either, but 2 x params includes a mixer's few vector parameters (norm gains,
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from lm import flops, ops
+from lm import ops
+from lm.accounting import flops
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig, SwiGLU
 from lm.ops import flops as op_flops
@@ -153,7 +154,7 @@ MIXER_OPTIONS = {"attention": {}, "mamba2": {"chunk_size": CHUNK}, "mlstm": {"ch
 
 def full_context(name: str, cfg: LMConfig, T: int, training: bool = False) -> float:
     """An attention-like op's FLOPs per token as the counter sees the math backend: every query against all T keys,
-    not the mean context (causal (T + 1) / 2, or the window's) that lm.flops counts (the counter ignores the mask, the
+    not the mean context (causal (T + 1) / 2, or the window's) that lm counts (the counter ignores the mask, the
     math path computes the masked part too; causal kernels such as flash attention skip it)."""
     cls, options = MIXERS[name], cfg.mixer_options.get(name, {})
     return flops.op_flops(name, cfg, T, training) * T / cls.mean_context(T, **options)

@@ -17,7 +17,7 @@ from torch import nn
 
 from bench.mixer_speed import bench_mixers
 from bench.train_speed import bench_train
-from lm import flops
+from lm.accounting import flops
 from lm.cli import main
 from lm.mixers import MIXERS, Mixer, register
 from lm.mixers.layers import residual_output

@@ -8,9 +8,9 @@ import torch
 
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.module import LMModule
-from lm.param_groups import decay_groups, param_groups
-from lm.schedule import OptimConfig
+from lm.training.module import LMModule
+from lm.training.param_groups import decay_groups, param_groups
+from lm.training.schedule import OptimConfig
 
 OPTIONS = {
     "attention": [{}, {"n_kv_heads": 2}],

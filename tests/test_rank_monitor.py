@@ -11,8 +11,8 @@ import torch
 from lm.config import parse_run_config
 from lm.errors import UserError
 from lm.mixers.attention import Attention
-from lm.rank_monitor import effective_rank, head_ranks, product_core
-from lm.train import train
+from lm.training.callbacks.rank_monitor import effective_rank, head_ranks, product_core
+from lm.training.train import train
 
 
 def orthonormal(n: int, k: int, generator: torch.Generator) -> torch.Tensor:

@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lm.batch import global_batch_of, resolve_accumulation
-from lm.checkpoint import checkpoint_problem, step_checkpoints
 from lm.cli import main
 from lm.errors import UserError
 from lm.model import LanguageModel
-from lm.stop_request import STOPPED_EXIT_CODE
+from lm.training.batch import global_batch_of, resolve_accumulation
+from lm.training.checkpoint import checkpoint_problem, step_checkpoints
+from lm.training.stop_request import STOPPED_EXIT_CODE
 
 STRATEGIES = {
     "ddp": ["--strategy.name", "ddp", "--strategy.devices", "2"],
@@ -204,7 +204,7 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path,
 def test_a_flipped_byte_in_a_shard_is_caught_and_the_previous_checkpoint_taken(runs, strategy, tmp_path, capsys):
     """A byte changed inside one shard (its size intact) fails the sha256 in the checkpoint's manifest: the newest
     usable checkpoint is then the one before (the resume itself is test_damaged_checkpoint_is_refused_...)."""
-    from lm.checkpoint import newest_checkpoint
+    from lm.training.checkpoint import newest_checkpoint
 
     run_dir = shutil.copytree(runs[strategy], tmp_path / strategy)
     newest = run_dir / "checkpoints" / "step=00000004.ckpt"

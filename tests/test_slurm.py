@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.checkpoint import newest_checkpoint
 from lm.cli import main
 from lm.errors import UserError
-from lm.launch_guard import LOCK_NAME, check_slurm_launch
-from lm.stop_request import STOPPED_EXIT_CODE
+from lm.training.checkpoint import newest_checkpoint
+from lm.training.launch_guard import LOCK_NAME, check_slurm_launch
+from lm.training.stop_request import STOPPED_EXIT_CODE
 from slurm.submit import submit_from_args, sweep_runs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.checkpoint import newest_checkpoint
 from lm.cli import main
 from lm.config import parse_run_config
-from lm.train import train
+from lm.training.checkpoint import newest_checkpoint
+from lm.training.train import train
 
 STEPS = 8
 
@@ -130,7 +130,7 @@ def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(straight, kjv
     to it is one line and writes nothing; an automatic resume skips it with a warning and takes the one before."""
     import shutil
 
-    from lm.checkpoint import checkpoint_problem
+    from lm.training.checkpoint import checkpoint_problem
 
     run_dir = shutil.copytree(straight, tmp_path / "flipped")
     newest = run_dir / "checkpoints" / "step=00000008.ckpt"
@@ -171,7 +171,7 @@ def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
 
 
 def test_a_stop_notice_at_any_moment_ends_in_0_or_75_and_the_run_then_matches(straight, kjv_data, tmp_path):
-    """SIGUSR1 at each moment of a run's life (lm.faults sends it from inside, at exactly that moment): the launch
+    """SIGUSR1 at each moment of a run's life (LM_FAULTS sends it from inside, at exactly that moment): the launch
     ends with 75 (a checkpoint written; run again) or 0 (complete), never by the signal, and each run ends with the
     uninterrupted run's weights. One run is stopped four times in a row (start-up, training, validation, the writing of
     its last checkpoint), each launch resuming the one before; another takes it after the last step. One more is sent
@@ -179,7 +179,7 @@ def test_a_stop_notice_at_any_moment_ends_in_0_or_75_and_the_run_then_matches(st
     action of a signal while it shuts down, which would kill the process by it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lm.stop_request import STOPPED_EXIT_CODE
+    from lm.training.stop_request import STOPPED_EXIT_CODE
 
     def launches(name: str, moments: list[str]) -> list[int]:
         cmd = [sys.executable, "-m", "lm.cli", "train", "--config",
@@ -216,7 +216,7 @@ def test_sigterm_mid_accumulation_stops_at_the_step_boundary_and_resumes_exactly
     a checkpoint written, exit 75; the rerun ends with the weights of the run never stopped."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lm.stop_request import STOPPED_EXIT_CODE
+    from lm.training.stop_request import STOPPED_EXIT_CODE
 
     def launch(name: str, faults: str) -> int:
         config = config_file(tmp_path, kjv_data, tmp_path / name)
@@ -236,10 +236,10 @@ def test_sigterm_mid_accumulation_stops_at_the_step_boundary_and_resumes_exactly
 
 def test_non_finite_gradients_skip_their_steps_and_enough_in_a_row_stop_the_run(kjv_data, tmp_path, monkeypatch,
                                                                                 capsys):
-    """lm.faults makes the gradients of steps 2 and 3 NaN. Those steps leave the weights and AdamW's moments as they
+    """LM_FAULTS makes the gradients of steps 2 and 3 NaN. Those steps leave the weights and AdamW's moments as they
     were, and are counted; a run stopped in between and resumed ends as the uninterrupted one; with stop_after_skips 2
     the second skip stops the run with a checkpoint and one line naming the step."""
-    from lm.stop_request import StoppedForRequeue
+    from lm.training.stop_request import StoppedForRequeue
 
     monkeypatch.setenv("LM_FAULTS", "nan_grad@2,nan_grad@3")
     whole = tmp_path / "whole"

@@ -68,7 +68,7 @@ def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
 
     from eval.harness import LMHarness
     from eval.wandb_log import log_to_run
-    from lm.checkpoint import run_dir_of, tokenizer_path
+    from lm.training.checkpoint import run_dir_of, tokenizer_path
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path(checkpoint)))
     out_dir = Path(out) if out else run_dir_of(checkpoint) / "eval" / f"longctx-{haystack}"

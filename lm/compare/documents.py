@@ -31,7 +31,7 @@ def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: in
     worker_setup(log, threads)
     from eval.ppl import evaluate_ppl
     from lm.config import parse_run_config
-    from lm.train import train
+    from lm.training.train import train
 
     run, resume, resolved = parse_run_config(["--config", config, *overrides])
     checkpoint = train(run, resume, resolved)

@@ -20,9 +20,9 @@ starts from that shape, with n_heads = d_model / head_dim (Gated DeltaNet alone 
 as configs/paper_sizes.py does), and is matched:
 
 - match=params: total parameters within 2% of N.
-- match=flops: training FLOPs per token at seq_len (lm.flops.train_flops_per_token) within 2% of the reference's.
+- match=flops: training FLOPs per token at seq_len (train_flops_per_token) within 2% of the reference's.
 
-Moves: the reference shape with the MLP width alone refitted (as lm.sizing.match_params_by_mlp does) while mlp_ratio
+Moves: the reference shape with the MLP width alone refitted (as match_params_by_mlp does) while mlp_ratio
 stays within 2x of the reference's; else the shape nearest the reference (least sum of |log ratio| of depth, width
 and mlp_ratio; mlp_ratio within MLP_RATIO_RANGE) over depths in whole layer patterns up to twice the reference's;
 over widths too (d_model in steps of head_dim up to twice, heads following) only when no depth fits. The table's
@@ -54,8 +54,8 @@ from typing import Literal
 
 import yaml
 
+from lm.accounting.flops import param_count, train_flops_per_token
 from lm.errors import UserError
-from lm.flops import param_count, train_flops_per_token
 from lm.mixers import MIXERS
 from lm.model import LMConfig
 
@@ -156,7 +156,7 @@ def heads_for(arch: Arch, d_model: int, head_dim: int) -> int:
 
 def match_shape(arch: Arch, reference: LMConfig, metric, target: float) -> tuple[LMConfig, str]:
     """arch's config whose metric is within TOLERANCE of target, and the move that got there: the reference shape
-    with the MLP alone refitted (as lm.sizing does) while mlp_ratio stays within 2x of the reference's; else the
+    with the MLP alone refitted (as sizing does) while mlp_ratio stays within 2x of the reference's; else the
     shape nearest the reference (least sum of |log ratio| of depth, width and mlp_ratio) over the depths (whole
     layer patterns, up to twice the reference's), each with its MLP fitted; over widths (steps of head_dim, up to
     twice) only when no depth fits."""
@@ -216,7 +216,7 @@ def load_base(base: str | None) -> tuple[dict, "object"]:
 def sequences_per_step(run, global_batch: int | None) -> int:
     """--global_batch, else the base config's, else its micro-batch x accumulation x world; checked to split into
     micro-batches over the base's devices."""
-    from lm.batch import global_batch_of, resolve_accumulation
+    from lm.training.batch import global_batch_of, resolve_accumulation
 
     d, st = run.data, run.strategy
     world = st.devices * st.num_nodes if isinstance(st.devices, int) else 1

@@ -19,8 +19,8 @@ NOTES = [
     "split apart and named by what differs.",
     "best lr: the lr of the lowest final validation loss averaged over seeds; the table shows that lr's run of "
     "the lowest seed, the lr grid every run.",
-    "params: lm.flops.param_count of the run's model (w/o embeddings: less the embedding matrix).",
-    "tokens: optimizer steps x global batch x seq_len; FLOPs: lm.flops.train_flops_per_token x tokens.",
+    "params: lm.accounting.flops.param_count of the run's model (w/o embeddings: less the embedding matrix).",
+    "tokens: optimizer steps x global batch x seq_len; FLOPs: lm.accounting.flops.train_flops_per_token x tokens.",
     "NLL@k: the newest `lm eval ppl` per-position curve at the logged position nearest at or below k (blank beyond "
     "its length).",
     "TASK/METRIC: the main metric (the suite's, else acc) of each task in eval/harness-*/results.json; "

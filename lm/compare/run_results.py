@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from lm.batch import global_batch_of
 from lm.errors import UserError
+from lm.training.batch import global_batch_of
 
 # Without a suite naming it, a task's main metric is the first of these that it reports.
 MAIN_METRICS = ("acc", "acc_norm", "exact_match", "contains", "word_perplexity", "perplexity")
@@ -204,7 +204,7 @@ def check_run_dir(path: str) -> None:
 
 def read_run(path: str) -> RunResults:
     """Everything the report shows of one run directory."""
-    from lm.flops import param_count, train_flops_per_token
+    from lm.accounting.flops import param_count, train_flops_per_token
     from lm.model import LMConfig
 
     check_run_dir(path)

@@ -69,7 +69,7 @@ class Attention(Mixer):
         decay_group("vo", self.v_proj.weight, self.out_proj.weight)
 
     def qk_ov_weights(self) -> tuple[nn.Parameter, ...]:
-        """(W_Q, W_K, W_V, W_O) as nn.Linear weights, for lm.rank_monitor."""
+        """(W_Q, W_K, W_V, W_O) as nn.Linear weights, for lm.training.callbacks.rank_monitor."""
         return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.out_proj.weight
 
     @classmethod

@@ -7,7 +7,7 @@ A mixer is one file holding one class, registered with one line (`@register("nam
     param_count(d_model, n_heads, head_dim, **options) -> int
     flops_per_token(d_model, n_heads, head_dim, seq_len, training, **options) -> float
                         its projections (2 FLOPs per parameter and token, 6 when training) plus its sequence op
-                        (`op_flops_per_token`, which the mixer defines; lm/flops.py explains what is counted)
+                        (`op_flops_per_token`, which the mixer defines; lm/accounting/flops.py explains what is counted)
     metrics()           what to log after a forward (optional; e.g. Mesa's CG statistics)
     bench_op(batch, T)  its sequence op, chunkwise and recurrent, with inputs in the ranges its forward feeds them
                         (for `lm bench mixer`; mixers without a recurrent op, such as attention, have none)

@@ -1,7 +1,7 @@
 """FLOPs of each op's chunkwise form per (padded) token and head (a multiply-add counts 2), with the shapes the torch
 path uses: intra-chunk products are full C x C blocks (masked afterwards). Only matrix products and triangular solves
-count, as FlopCounterMode counts them (tests/test_flops.py); elementwise work does not. lm.flops adds the mixers'
-projections and sums over a model."""
+count, as FlopCounterMode counts them (tests/test_flops.py); elementwise work does not. accounting.flops adds the
+mixers' projections and sums over a model."""
 
 import math
 

@@ -2,8 +2,8 @@
 
 from dataclasses import replace
 
+from lm.accounting.flops import param_count
 from lm.errors import UserError
-from lm.flops import param_count
 from lm.model import LMConfig
 
 

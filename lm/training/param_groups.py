@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from lm.schedule import OptimConfig
+from lm.training.schedule import OptimConfig
 
 
 def is_decayed(name: str, param) -> bool:

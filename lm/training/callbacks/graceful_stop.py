@@ -1,6 +1,6 @@
 """Stop a run cleanly on SIGUSR1 or SIGTERM (a scheduler's preemption notice or time limit).
 
-The handler (lm.stop_request) only sets a flag. After each optimizer step every rank sums the flags (one
+The handler (lm.training.stop_request) only sets a flag. After each optimizer step every rank sums the flags (one
 all-reduce), so all of them agree to stop at the same step; they write a checkpoint of that step together, the
 Trainer stops, and `lm train` exits with STOPPED_EXIT_CODE, which tells a job script to requeue rather than to give up.
 """
@@ -10,7 +10,7 @@ import signal
 import lightning as L
 import torch
 
-from lm import stop_request
+from lm.training import stop_request
 
 
 class GracefulStop(L.Callback):

@@ -15,22 +15,24 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lm.batch import global_batch_of, resolve_accumulation
-from lm.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
+from lm.accounting.flops import train_flops_per_token
 from lm.config import RunConfig
-from lm.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
-from lm.data import CountConsumedWindows, TokenDataModule
 from lm.errors import Diverged, UserError
-from lm.faults import InjectFaults
-from lm.faults import planned as planned_faults
-from lm.flops import train_flops_per_token
-from lm.graceful_stop import GracefulStop
-from lm.launch_guard import RunDirLock, check_slurm_launch
-from lm.module import LMModule
-from lm.rank_monitor import RankMonitor
-from lm.stability import StabilityMonitor
-from lm.stop_request import StoppedForRequeue
-from lm.strategy import StrategyConfig, build_strategy
+from lm.training.batch import global_batch_of, resolve_accumulation
+from lm.training.callbacks.faults import InjectFaults
+from lm.training.callbacks.faults import planned as planned_faults
+from lm.training.callbacks.graceful_stop import GracefulStop
+from lm.training.callbacks.mixer_metrics import MixerMetrics
+from lm.training.callbacks.rank_monitor import RankMonitor
+from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
+from lm.training.callbacks.stability import StabilityMonitor
+from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
+from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
+from lm.training.data import CountConsumedWindows, TokenDataModule
+from lm.training.launch_guard import RunDirLock, check_slurm_launch
+from lm.training.module import LMModule
+from lm.training.stop_request import StoppedForRequeue
+from lm.training.strategy import StrategyConfig, build_strategy
 
 
 class Throughput(ThroughputMonitor):
@@ -45,18 +47,6 @@ class Throughput(ThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         for throughput in self._throughputs.values():
             throughput.available_flops = self.peak_flops or throughput.available_flops
-
-
-class LogSlurmRestarts(L.Callback):
-    """SLURM_RESTART_COUNT (how often the job was requeued) as a metric, so a resumed curve shows its restarts."""
-
-    def on_train_start(self, trainer, pl_module):
-        if "SLURM_JOB_ID" not in os.environ:
-            return
-        count = os.environ.get("SLURM_RESTART_COUNT", "0")  # unset before the first requeue
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics({"slurm/restart_count": int(count)}, step=trainer.global_step)
 
 
 def check_compatible(config: RunConfig, manifest: dict) -> None:
@@ -169,7 +159,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
-    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop, stability,
+    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop, stability, MixerMetrics(),
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
@@ -179,7 +169,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         from eval.in_loop import InLoopEval
 
         callbacks.append(InLoopEval(config.eval, run_dir))
-    if faults := planned_faults():  # tests only: LM_FAULTS (lm.faults)
+    if faults := planned_faults():  # tests only: LM_FAULTS (lm.training.callbacks.faults)
         callbacks.append(InjectFaults(faults))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
@@ -196,7 +186,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
 
 
 def batch_plan(config: RunConfig) -> tuple[int, int, int]:
-    """(world size, accumulation, global batch in sequences) from the config (lm.batch)."""
+    """(world size, accumulation, global batch in sequences) from the config (lm.training.batch)."""
     d = config.data
     world = config.strategy.world_size
     global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
@@ -208,7 +198,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     """Fit the model of `config`; returns the newest checkpoint."""
     # LMModule skips its clipping hook under DeepSpeed, which clips in its own step: Lightning's warning is moot.
     warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
-    # Lightning's hint to use srun whenever srun exists is noise off SLURM; lm.launch_guard checks real SLURM launches.
+    # Lightning's hint to use srun whenever srun exists is noise off SLURM; launch_guard checks real SLURM launches.
     warnings.filterwarnings("ignore", message="The `srun` command is available")
     run_dir = Path(config.run_dir)
     L.seed_everything(config.seed, workers=True, verbose=False)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from lm.model import LanguageModel, LMConfig
-from lm.param_groups import decay_groups, param_groups
-from lm.rng import rng_state, set_rng_state
-from lm.schedule import OptimConfig, lr_at
+from lm.training.param_groups import decay_groups, param_groups
+from lm.training.rng import rng_state, set_rng_state
+from lm.training.schedule import OptimConfig, lr_at
 
 
 def next_token_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ class LMModule(L.LightningModule):
         self.decay_groups = decay_groups(self.model)  # now: FSDP2's sharded parameters lose the mixers' markers
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
-        self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (lm.stability)
+        self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (callbacks.stability)
 
     def configure_model(self):
         """FSDP2: one `fully_shard` per block, then the rest; torch.compile per block if asked (after sharding,
@@ -60,12 +60,6 @@ class LMModule(L.LightningModule):
         self.log("train/ppl", torch.exp(mean_loss.clamp(max=50.0)))
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         return loss
-
-    def on_after_backward(self):
-        """The mixers' own statistics (`metrics()`, e.g. Mesa's forward and adjoint solves), logged after the backward
-        so that what it measured is there too. Tensors, so nothing syncs with the host until a log line is written."""
-        for key, value in self.model.mixer_metrics().items():
-            self.log(f"train/{key}", value)
 
     def validation_step(self, batch, batch_idx):
         loss = next_token_loss(self.model, batch)
@@ -95,7 +89,7 @@ class LMModule(L.LightningModule):
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         # The norm is of the all-reduced gradients, so every rank decides alike. Without gradients, AdamW leaves
-        # each parameter and its moments untouched: the step is skipped (lm.stability).
+        # each parameter and its moments untouched: the step is skipped (lm.training.callbacks.stability).
         if torch.isfinite(norm):
             self.skips_in_a_row = 0
             return

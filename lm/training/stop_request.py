@@ -1,6 +1,6 @@
 """A stop request: SIGUSR1 or SIGTERM, a scheduler's preemption notice or time limit. `lm train` listens from its
 first line, because a notice can come while Python is still importing torch, and there the default action would
-kill the process with no checkpoint. lm.graceful_stop acts on the request at the next optimizer step. This module
+kill the process with no checkpoint. callbacks.graceful_stop acts on the request at the next optimizer step. This module
 imports nothing heavy, so the CLI can start listening before anything else."""
 
 import signal

@@ -193,8 +193,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_model(path: str | Path, map_location: str = "cpu"):
     """(LanguageModel in eval mode, hyperparameters) from a checkpoint of any strategy, or a run directory."""
-    from lm.consolidate import consolidate
     from lm.model import LanguageModel, LMConfig
+    from lm.training.consolidate import consolidate
 
     state_dict, hparams = consolidate(resolve_checkpoint(path))
     model = LanguageModel(LMConfig(**hparams["model"]))
