@@ -33,9 +33,11 @@ ONE_PROCESS = ["--data.micro_batch", "4"]  # the same global batch of 4 sequence
 # The continuations from a run's step-2 checkpoint: name -> (the run, the flags of the launch that continues it).
 RESUMES = {**{strategy: (strategy, flags) for strategy, flags in STRATEGIES.items()},
            "ddp in one process": ("ddp", ONE_PROCESS), "zero2 in one process": ("zero2", ONE_PROCESS),
-           # The rest of the README's matrix: a plain file into FSDP2 (natively), FSDP2 shards into one process
-           # (weights alone), and DeepSpeed at another stage or world size (a one-line error).
+           # The rest of the README's matrix: FSDP2 shards into one process (weights alone); a plain file into
+           # FSDP2, and DeepSpeed at another stage or world size (a one-line error each).
            "single into fsdp2": ("single", STRATEGIES["fsdp2"]), "fsdp2 in one process": ("fsdp2", ONE_PROCESS),
+           "single into ddp": ("single", STRATEGIES["ddp"]),
+           "fsdp2 on one process": ("fsdp2", ["--strategy.name", "fsdp", "--strategy.devices", "1", *ONE_PROCESS]),
            "zero2 as zero3": ("zero2", STRATEGIES["zero3"]),
            "zero2 on one process": ("zero2", ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2",
                                               "--strategy.devices", "1", *ONE_PROCESS])}
@@ -182,21 +184,25 @@ def test_deepspeed_checkpoint_resumes_elsewhere_with_weights_alone(resumed):
 
 
 def test_the_rest_of_the_readmes_resume_matrix(runs, resumed, tmp_path):
-    """As README's "Resume" says: a plain checkpoint continues natively in FSDP2 (the same steps as one process, to
-    reduction order); FSDP2 shards continue in one process with their weights and a fresh optimizer state, and say
-    so; DeepSpeed shards at another stage or world size end with one line, exit 2, before any step."""
-    plain = exported(runs["single"], tmp_path / "single")
-    into_fsdp2 = exported(continued(resumed, "single into fsdp2"), tmp_path / "into-fsdp2")
-    for k in plain:
-        torch.testing.assert_close(plain[k], into_fsdp2[k], rtol=0, atol=1e-6)
-    assert "fresh optimizer" not in resumed["single into fsdp2"][1].stderr
+    """As README's "Resume" says: a one-process checkpoint continues natively in DDP(2), and FSDP2 shards in FSDP2
+    on one process; FSDP2 shards continue in one process with their weights and a fresh optimizer state, saying
+    so; a plain checkpoint into FSDP2, and DeepSpeed shards at another stage or world size, end with one line,
+    exit 2, before any step."""
     run_dir = continued(resumed, "fsdp2 in one process")
     assert "resuming with its weights and a fresh optimizer state" in resumed["fsdp2 in one process"][1].stderr
     assert step_checkpoints(run_dir / "checkpoints")[0].name == "step=00000004.ckpt"
-    for name in ("zero2 as zero3", "zero2 on one process"):
+    # Natively, optimizer state and all: the uninterrupted run's weights (to reduction order).
+    for name, source in (("single into ddp", "single"), ("fsdp2 on one process", "fsdp2")):
+        reference = exported(runs[source], tmp_path / f"{source}-reference")
+        continuation = exported(continued(resumed, name), tmp_path / name.replace(" ", "-"))
+        assert "fresh optimizer" not in resumed[name][1].stderr
+        for k in reference:
+            torch.testing.assert_close(reference[k], continuation[k], rtol=0, atol=1e-6)
+    for name, message in (("single into fsdp2", "cannot resume FSDP2"), ("zero2 as zero3", "cannot resume DeepSpeed"),
+                          ("zero2 on one process", "cannot resume DeepSpeed")):
         _, result = resumed[name]
         lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and "cannot resume DeepSpeed" in lines[-1], (name, result.stderr[-2000:])
+        assert result.returncode == 2 and message in lines[-1], (name, result.stderr[-2000:])
 
 
 def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path, capsys, monkeypatch):

@@ -93,11 +93,13 @@ def target_format(cfg: StrategyConfig) -> str:
 
 
 def resume_path(checkpoint: Path, config: RunConfig, world: int) -> str:
-    """The checkpoint as this run's strategy can load it. Native where the formats allow (a plain file into any
-    strategy but DeepSpeed, FSDP2 shards at any world size, DeepSpeed shards at the same stage and world size);
-    otherwise its weights alone, with a fresh optimizer state and a warning."""
+    """The checkpoint as this run's strategy can load it. Native where the formats allow (a plain file into single
+    or DDP, FSDP2 shards at any world size, DeepSpeed shards at the same stage and world size); into single or DDP
+    from anything else, its weights alone, with a fresh optimizer state and a warning. FSDP2 and DeepSpeed take only
+    their own shards: into FSDP2, torch's set_optimizer_state_dict fails on a plain file's optimizer state, fresh or
+    not (tests/test_scale_out.py)."""
     source, target = checkpoint_format(checkpoint), target_format(config.strategy)
-    if source == "plain" and target != "deepspeed" or source == target == "dcp":
+    if source == target == "plain" or source == target == "dcp":
         return str(checkpoint)
     if source == target == "deepspeed":
         if (checkpoint_world_size(checkpoint), deepspeed_stage(checkpoint)) == (world, config.strategy.zero_stage):
@@ -105,7 +107,10 @@ def resume_path(checkpoint: Path, config: RunConfig, world: int) -> str:
     if target == "deepspeed":
         raise UserError(f"cannot resume DeepSpeed ZeRO-{config.strategy.zero_stage} on {world} processes from "
                         f"{checkpoint} ({source} format, {checkpoint_world_size(checkpoint) or 1} processes): use "
-                        f"the strategy and world size that wrote it, or ddp / fsdp, which can take its weights")
+                        f"the strategy and world size that wrote it, or single / ddp, which can take its weights")
+    if target == "dcp":
+        raise UserError(f"cannot resume FSDP2 from {checkpoint} ({source} format): FSDP2 continues only its own "
+                        "shards; use the strategy that wrote it, or single / ddp, which can take its weights")
     print(f"lm train: warning: {checkpoint} ({source} format) cannot carry its optimizer state into "
           f"{config.strategy.name} on {world} processes; resuming with its weights and a fresh optimizer state",
           file=sys.stderr)
