@@ -40,7 +40,7 @@ class InLoopEval(L.Callback):
     def on_fit_start(self, trainer, pl_module):
         from lm_eval.tasks import TaskManager
 
-        self._seen_step = trainer.global_step
+        self._seen_step, self.tasks = trainer.global_step, list(self.cfg.tasks)
         paths = [self.cfg.include_path] if self.cfg.include_path else []
         if self.cfg.probes:
             probes_dir = self.run_dir / "eval" / "in_loop"

@@ -7,7 +7,6 @@ name was complete when written; `checkpoint_problem` checks that every byte is s
 an export or an evaluation uses it.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from data_prep.shards import sha256_file
 from lm.errors import UserError
 
 STEP_NAME = re.compile(r"^step=(\d+)\.ckpt$")
@@ -30,14 +30,6 @@ def _fsync_tree(path: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def manifest_of(path: Path) -> Path:
     """Where the manifest of the checkpoint at `path` is (or goes): inside a directory, beside a file."""
     return path / CONTENTS if path.is_dir() else path.with_name(f"{path.name}.{CONTENTS}")
@@ -47,7 +39,7 @@ def write_manifest(checkpoint: Path, manifest: Path) -> None:
     """Size and sha256 of every file of `checkpoint` (a file: one entry, named "")."""
     files = [checkpoint] if checkpoint.is_file() else sorted(p for p in checkpoint.rglob("*") if p.is_file())
     entries = {("" if f == checkpoint else str(f.relative_to(checkpoint))): {"size": f.stat().st_size,
-                                                                             "sha256": _sha256(f)} for f in files}
+                                                                             "sha256": sha256_file(f)} for f in files}
     manifest.write_text(json.dumps({"files": entries}, indent=1))
 
 
@@ -140,7 +132,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
             return f"{path} is missing {name}"
         if file.stat().st_size != size:
             return f"{path}: {name or 'the file'} has {file.stat().st_size} bytes, {size} were written"
-        if sha256 is not None and _sha256(file) != sha256:
+        if sha256 is not None and sha256_file(file) != sha256:
             return f"{path}: {name or 'the file'} is damaged (its sha256 is not the one written)"
     return None
 
