@@ -13,6 +13,7 @@ import multiprocessing
 import resource
 
 import torch
+import torch.nn.functional as F
 
 from bench.train_speed import device_name
 from lm.errors import UserError
@@ -51,7 +52,16 @@ def fresh_processes():
     return context.Pool(1, maxtasksperchild=1)
 
 
-def step_peak_mib(cfg: LMConfig, T: int, batch: int) -> float:
+def whole_logits_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:
+    """The loss as it was before the chunked head: the whole [batch, T, vocab] logits, then cross-entropy."""
+    logits, _ = model(windows[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+
+LOSSES = {"chunked": next_token_loss, "whole": whole_logits_loss}
+
+
+def step_peak_mib(cfg: LMConfig, T: int, batch: int, loss_name: str = "chunked") -> float:
     """Peak memory growth of one training step (forward, loss, backward, AdamW step) at length T, in MiB."""
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +72,7 @@ def step_peak_mib(cfg: LMConfig, T: int, batch: int) -> float:
     def step(length: int):
         windows = torch.randint(0, cfg.vocab_size, (batch, length + 1), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = next_token_loss(model, windows)
+            loss = LOSSES[loss_name](model, windows)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -74,7 +84,7 @@ def step_peak_mib(cfg: LMConfig, T: int, batch: int) -> float:
 def bench_memory(mixers: list[str] | None = None,
                  lengths: list[int] = [512, 2048, 8192], d_model: int = 256, n_layers: int = 2,  # noqa: B006
                  n_heads: int = 4, head_dim: int = 64, vocab_size: int = 4096, batch: int = 1,
-                 json_out: str | None = None) -> dict:
+                 losses: list[str] = ["chunked"], json_out: str | None = None) -> dict:  # noqa: B006
     """Peak memory of one training step per mixer and sequence length; the growth per token shows whether it is
     linear in T.
 
@@ -87,6 +97,8 @@ def bench_memory(mixers: list[str] | None = None,
         head_dim: Key size per head.
         vocab_size: Rows of the embedding (the logits are [batch, T, vocab] and grow with T too).
         batch: Sequences per step.
+        losses: How the loss is taken: "chunked" (the model's head over chunks of tokens, lm's way) and/or "whole"
+            (the whole logits, then cross-entropy: the way before it), each a row of its own.
         json_out: Also write the result as JSON to this path.
     """
     mixers = list(MIXERS) if mixers is None else mixers
@@ -94,18 +106,22 @@ def bench_memory(mixers: list[str] | None = None,
     if unknown or batch < 1 or min(lengths, default=0) < 1:
         raise UserError(f"mixers must be among {', '.join(sorted(MIXERS))} (unknown: {unknown}); batch and "
                         "lengths (at least one) must be >= 1")
+    if not losses or set(losses) - set(LOSSES):
+        raise UserError(f"losses must be among {', '.join(LOSSES)}, got {losses}")
     shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim, vocab_size=vocab_size,
                  max_seq_len=max(lengths))
     rows = []
     with fresh_processes() as pool:
         for mixer in mixers:
             cfg = LMConfig(mixer=mixer, **shape)
-            for T in lengths:
-                mib = pool.apply(step_peak_mib, (cfg, T, batch))
-                rows.append({"mixer": mixer, "T": T, "peak_mib": mib, "mib_per_1k_tokens": mib / (batch * T / 1000)})
+            for loss in losses:
+                for T in lengths:
+                    mib = pool.apply(step_peak_mib, (cfg, T, batch, loss))
+                    rows.append({"mixer": mixer, "loss": loss, "T": T, "peak_mib": mib,
+                                 "mib_per_1k_tokens": mib / (batch * T / 1000)})
     first = {}
     for r in rows:  # growth from the shortest length: T-fold for linear memory, T^2-fold for quadratic
-        base = first.setdefault(r["mixer"], r)
+        base = first.setdefault((r["mixer"], r["loss"]), r)
         r["growth_vs_shortest"] = r["peak_mib"] / base["peak_mib"] if base["peak_mib"] > 0 else None
         r["length_ratio"] = r["T"] / base["T"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,11 +129,11 @@ def bench_memory(mixers: list[str] | None = None,
               "measure": "torch peak allocated" if device.type == "cuda" else "peak RSS growth", **shape,
               "batch": batch, "rows": rows}
     print(json.dumps(result, indent=2))
-    print("\n| mixer | T | peak MiB | MiB / 1k tokens | growth vs shortest T (length ratio) |")
-    print("|---|---|---|---|---|")
+    print("\n| mixer | loss | T | peak MiB | MiB / 1k tokens | growth vs shortest T (length ratio) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         growth = "–" if r["growth_vs_shortest"] is None else f"{r['growth_vs_shortest']:.2f}"
-        print(f"| {r['mixer']} | {r['T']} | {r['peak_mib']:.1f} | {r['mib_per_1k_tokens']:.2f} "
+        print(f"| {r['mixer']} | {r['loss']} | {r['T']} | {r['peak_mib']:.1f} | {r['mib_per_1k_tokens']:.2f} "
               f"| {growth} ({r['length_ratio']:g}) |")
     if json_out:
         with open(json_out, "w") as f:

@@ -99,14 +99,15 @@ def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = mat
     return 1e3 * best
 
 
-def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int) -> float:
+def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int,
+             options: dict | None = None) -> float:
     """Run in a fresh process: peak RSS of one chunkwise forward + backward minus the RSS after inputs exist, MiB.
 
     RSS accounting is approximate: figures within a few tenths of a MiB of 0 (even negative) are noise."""
     # A short run first, so one-time costs (autograd threads, library buffers) do not count as memory that grows in T.
-    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch)
+    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch, **(options or {}))
     forward_backward(op_fns(call)[0], call.args, proj)
-    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
+    call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch, **(options or {}))
     chunkwise = op_fns(call)[0]
     return peak_growth_mib(lambda: forward_backward(chunkwise, call.args, proj))
 
@@ -114,7 +115,7 @@ def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batc
 def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 2048, 8192],  # noqa: B006
                  d_model: int = 256, n_heads: int = 4, head_dim: int = 64, batch: int = 1,
                  recurrent_max_len: int = 2048, memory: bool = True, repeats: int = 3, max_s: float = 5.0,
-                 variants: bool = True, json_out: str | None = None) -> dict:
+                 variants: bool = True, options: dict | None = None, json_out: str | None = None) -> dict:
     """Time forward + backward of each mixer's op, chunkwise and recurrent, and the chunkwise form's peak memory.
 
     Args:
@@ -130,6 +131,8 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
         max_s: Stop a figure's timed calls early (after at least one) once they add up to this many seconds; a
             warm-up call that alone takes this long is the figure (one call).
         variants: Also the rows of each mixer's `bench_variants` ("mesa (cg 5)"), chunkwise only.
+        options: Mixer options for every row ({expand_v: 1.0}: DeltaNet and Gated DeltaNet at equal value size);
+            each mixer named must take them.
         json_out: Also write the result as JSON to this path.
 
     Each row of a mixer with a `bench_reference` also gets vs_reference: its chunkwise time over the reference
@@ -145,13 +148,13 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
     shape = dict(d_model=d_model, n_heads=n_heads, head_dim=head_dim, batch=batch)
     runs = []  # (mixer, row label, options, default row)
     for mixer in mixers:
-        runs.append((mixer, mixer, {}, True))
-        for label, options in (MIXERS[mixer].bench_variants.items() if variants else ()):
-            runs.append((mixer, f"{mixer} ({label})", options, False))
+        runs.append((mixer, mixer, dict(options or {}), True))
+        for label, variant in (MIXERS[mixer].bench_variants.items() if variants else ()):
+            runs.append((mixer, f"{mixer} ({label})", {**(options or {}), **variant}, False))
     rows, row_mixers, measured = [], [], []  # measured: (row, mixer) of the rows whose peak memory to measure
-    for mixer, label, options, default in runs:
+    for mixer, label, row_options, default in runs:
         for T in lengths:
-            call, proj = op_call(mixer, T, **shape, **options)
+            call, proj = op_call(mixer, T, **shape, **row_options)
             chunkwise, recurrent = op_fns(call)
             chunk_ms = best_ms(chunkwise, call.args, proj, repeats, max_s)
             timed = default and T <= recurrent_max_len
@@ -174,11 +177,11 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
     if memory:
         with fresh_processes() as pool:
             for r, mixer in measured:
-                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), shape)
+                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), {**shape, "options": options})
                 r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)
     result = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
               "threads": torch.get_num_threads(), **shape, "repeats": repeats, "max_s": max_s,
-              "recurrent_max_len": recurrent_max_len, "rows": rows}
+              "recurrent_max_len": recurrent_max_len, "options": options or {}, "rows": rows}
 
     print(json.dumps(result, indent=2))
     fmt = lambda x, spec: "–" if x is None else format(x, spec)

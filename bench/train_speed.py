@@ -96,9 +96,13 @@ def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int,
     settings = (None, 0) if resets else (None,)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup):
+    t0 = time.perf_counter()
+    for i in range(warmup):
         for separator in settings:
             train_step(separator)
+        if i == 0:
+            sync(device)
+            first_step_s = time.perf_counter() - t0  # with the compiling and autotuning of kernels for this shape
     sync(device)
     seconds = dict.fromkeys(settings, 0.0)
     for _ in range(steps):
@@ -109,7 +113,9 @@ def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int,
             seconds[separator] += time.perf_counter() - t0
     tokens = batch * seq_len * steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    result = {"params": model.num_params(), "tokens_per_s": tokens / seconds[None], "peak_mem_gib": peak}
+    step_s = seconds[None] / steps
+    result = {"params": model.num_params(), "tokens_per_s": tokens / seconds[None], "peak_mem_gib": peak,
+              "step_s": step_s, "first_step_s": first_step_s if warmup else None}
     if resets:
         result.update(reset_tokens_per_s=tokens / seconds[0], reset_ratio=seconds[None] / seconds[0])
     return result
@@ -161,6 +167,11 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
                            vocab_size=vocab_size, max_seq_len=max(seq_len))
     peak = matmul_flops_per_s(device)
     rows = []
+    result_of = lambda rows: {  # noqa: E731
+        "device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "steps": steps, "warmup": warmup,
+        "matmul_flops_per_s": peak, "peak_flops": peak_flops, "activation_checkpointing": activation_checkpointing,
+        "resets": resets, "doc_len": doc_len, "rows": rows}
     for label, cfg in models:
         for T in seq_len:
             b = max(1, batch_tokens // T) if batch_tokens else batch
@@ -182,17 +193,19 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
             row.update(model_flops_per_token=flops, model_flops_per_s=flops * row["tokens_per_s"],
                        mfu=flops * row["tokens_per_s"] / peak,
                        mfu_datasheet=flops * row["tokens_per_s"] / peak_flops if peak_flops else None)
-    result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "steps": steps, "warmup": warmup,
-              "matmul_flops_per_s": peak, "peak_flops": peak_flops,
-              "activation_checkpointing": activation_checkpointing, "resets": resets, "doc_len": doc_len,
-              "rows": rows}
+            if json_out:  # what is done so far, should a time limit stop the rest
+                write_json(json_out, result_of(rows))
+    result = result_of(rows)
     print(json.dumps(result, indent=2))
     print_table(result)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(json_out, result)
     return result
+
+
+def write_json(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def print_table(result: dict) -> None:
@@ -201,16 +214,17 @@ def print_table(result: dict) -> None:
           f"{result['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s" +
           (f", datasheet peak {result['peak_flops'] / 1e12:,.0f} TFLOP/s" if datasheet else ""))
     print("\n| model | params | seq_len | batch | tokens/s | model GFLOP/s | MFU (measured peak) |"
-          + (" MFU (datasheet) |" if datasheet else "") + " peak memory GiB |"
+          + (" MFU (datasheet) |" if datasheet else "") + " peak memory GiB | first step s (a step s) |"
           + (" tokens/s with resets | with / without |" if resets else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|" if datasheet else "") + "---|" + ("---|---|" if resets else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if datasheet else "") + "---|---|" + ("---|---|" if resets else ""))
     for r in result["rows"]:
         if r["status"] != "ok":
             print(f"| {r['model']} | – | {r['seq_len']} | {r['batch']} | {r['status']} | | |"
-                  + (" |" if datasheet else "") + " |" + (" | |" if resets else ""))
+                  + (" |" if datasheet else "") + " | |" + (" | |" if resets else ""))
             continue
         mem = "–" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        first = "–" if r.get("first_step_s") is None else f"{r['first_step_s']:.2f} ({r['step_s']:.2f})"
         print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['seq_len']} | {r['batch']} | {r['tokens_per_s']:,.0f} "
               f"| {r['model_flops_per_s'] / 1e9:,.1f} | {r['mfu']:.1%} |"
-              + (f" {r['mfu_datasheet']:.1%} |" if datasheet else "") + f" {mem} |"
+              + (f" {r['mfu_datasheet']:.1%} |" if datasheet else "") + f" {mem} | {first} |"
               + (f" {r['reset_tokens_per_s']:,.0f} | {r['reset_ratio']:.3f} |" if resets else ""))

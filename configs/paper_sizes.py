@@ -1,15 +1,19 @@
 """Write configs/<mixer>/<size>.yaml for every recurrent mixer (and hybrid) at the MesaNet paper's sizes, each matched
 to the attention model of the same size (configs/attention/<size>.yaml) within 2% of its parameters by the MLP width.
+Then set the micro_batch of every 400M and 1B config (attention's too) to what fits an 80 GB GPU by the memory plan
+(lm.accounting.memory), with the 80 GB and 141 GB fits in a comment on that line.
 
     python configs/paper_sizes.py        # rewrites the files; tests/test_configs.py checks the match
 """
 
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import yaml
 
 from lm.accounting.flops import param_count
+from lm.accounting.memory import GIB, largest_micro_batch
 from lm.accounting.sizing import match_params_by_mlp
 from lm.mixers import MIXERS
 from lm.model import LMConfig
@@ -48,7 +52,34 @@ def write(name: str, size: str) -> Path:
     return path
 
 
+GPU_GIB = (80, 141)  # an H100's memory and an H200's
+
+
+def memory_fits(path: Path) -> dict[str, int]:
+    """The largest micro_batch of this config at its seq_len on one GPU of each size, without and with activation
+    checkpointing (bf16-mixed, one process)."""
+    raw = yaml.safe_load(path.read_text())
+    cfg, seq_len = LMConfig(**raw["model"]), raw["data"]["seq_len"]
+    return {f"{gib}{'_ckpt' if ckpt else ''}":
+            largest_micro_batch(cfg, seq_len, gib * GIB, activation_checkpointing=ckpt)
+            for gib in GPU_GIB for ckpt in (False, True)}
+
+
+def set_micro_batch(path: Path) -> int:
+    """micro_batch := the largest power of two that fits 80 GB (1 if none does), with the fits in a comment."""
+    fits = memory_fits(path)
+    micro_batch = 1 << max(0, fits["80"].bit_length() - 1)
+    note = (f"fits {fits['80']} at 80 GB, {fits['141']} at 141 GB; with activation checkpointing {fits['80_ckpt']} "
+            f"and {fits['141_ckpt']}")
+    text = re.sub(r"(?m)^  micro_batch: .*$", f"  micro_batch: {micro_batch}   # {note} (lm bench plan-memory)",
+                  path.read_text())
+    path.write_text(text)
+    return micro_batch
+
+
 if __name__ == "__main__":
     for name in (*(m for m in MIXERS if m != "attention"), *HYBRIDS):  # each matched to attention
         for size in SIZES:
             print(write(name, size))
+    for path in sorted(HERE.glob("*/400m.yaml")) + sorted(HERE.glob("*/1b.yaml")):
+        print(path, "micro_batch", set_micro_batch(path))

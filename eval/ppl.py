@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 
 from eval.wandb_log import log_to_run
@@ -47,8 +46,7 @@ def per_position_nll(model, windows: ValidationWindows, batch_size: int,
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))])
-            logits, _ = model(batch[:, :-1])
-            nll = F.cross_entropy(logits.float().transpose(1, 2), batch[:, 1:], reduction="none")
+            nll, _ = model(batch[:, :-1], targets=batch[:, 1:], reduction="none")  # the logits never whole
             positions = positions_in_documents(batch[:, :-1], separator).flatten()
             total.index_add_(0, positions, nll.flatten().double())
             tokens.index_add_(0, positions, torch.ones_like(positions))

@@ -34,11 +34,13 @@ COMMANDS = {
     "bench train": "bench.train_speed:bench_train",
     "bench mixer": "bench.mixer_speed:bench_mixers",
     "bench memory": "bench.memory:bench_memory",
+    "bench plan-memory": "bench.plan_memory:bench_plan_memory",
     "bench data": "bench.data_speed:bench_data",
     "bench peers": "bench.peers:bench_peers",
     "bench strategies": "bench.strategy_memory:bench_strategy_memory",
     "bench mesa-ablation": "bench.mesa_ablation:mesa_ablation",
     "bench ab": "bench.op_ab:bench_ab",
+    "bench compile": "bench.compile_speed:bench_compile",
     "bench hf-generate": "bench.hf_generate:bench_hf_generate",
     "slurm submit": "slurm.submit:submit_from_args",
     "slurm status": "slurm.status:slurm_status",
@@ -72,10 +74,12 @@ commands:
   bench train  training tokens/s and MFU per mixer, width and length (or per run config)
   bench mixer  each recurrent op: chunkwise vs recurrent time, peak memory vs length
   bench memory  peak memory of a training step vs length, per mixer
+  bench plan-memory  per-GPU memory plan of run configs, the micro_batch that fits a GPU; --check vs CPU peaks
   bench data   data-loader tokens/s vs a training step's, and data_prep's tokenizing vs tokenizers' encode_batch
   bench peers  lm vs litgpt's GPT (training step) and mlstm_kernels' native mLSTM (forward+backward), ratios
   bench strategies  memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)
   bench ab     a sequence op of the working tree against the same op at a git revision: old / new time, one run
+  bench compile  eager vs torch.compile'd training steps per mixer: speedup, compile time, graph breaks
   bench hf-generate  transformers' generate() on lm models against LanguageModel.generate: cache bytes, tokens/s
   bench mesa-ablation  Mesa's gate init, output gate, CG stopping and lr against Gated DeltaNet (~2 h on 2 cores)
   slurm submit  render an sbatch script for a run, a sweep (--array) or an evaluation (--kind eval); submit it

@@ -12,6 +12,7 @@ from torch import nn
 from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
 from lm.mixers.layers import residual_output
+from lm.ops.cross_entropy import head_cross_entropy
 
 
 @dataclass
@@ -192,9 +193,13 @@ class LanguageModel(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n if embeddings else n - self.embed.weight.numel()
 
-    def forward(self, input_ids: torch.Tensor, state: list | None = None,
-                reset: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    def forward(self, input_ids: torch.Tensor, state: list | None = None, reset: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, reduction: str = "mean") -> tuple[torch.Tensor, list]:
         """Logits [B, T, vocab] for input_ids [B, T], and the per-layer state to continue from.
+
+        With targets [B, T], the cross-entropy (float32) instead of the logits: their mean, or with reduction "none"
+        (no gradient) the loss [B, T] of each token. The head then runs over chunks of tokens
+        (`lm.ops.cross_entropy`), so the [B, T, vocab] logits never exist whole, in training or in evaluation.
 
         reset [B, T] bool: every mixer's state (recurrent state, conv buffers, KV cache) is cleared before the marked
         tokens, so the documents packed in a row see nothing of each other. By default it is
@@ -214,6 +219,9 @@ class LanguageModel(nn.Module):
         x = self.norm(x)
         head = self.embed.weight if self.head is None else self.head.weight
         cap = self.cfg.logit_soft_cap
+        if targets is not None:
+            loss = head_cross_entropy(x.flatten(0, 1), head, targets.flatten(), cap, reduction)
+            return (loss if reduction == "mean" else loss.view(targets.shape)), new_state
         if not cap:
             return F.linear(x, head), new_state
         # cap * tanh(logits / cap), dividing x (d_model wide) rather than the logits (vocab wide): the same up to

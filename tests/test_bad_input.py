@@ -133,6 +133,10 @@ CASES = {
     "bench-ab-zero-repeats": (["bench", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
     "bench-ab-unknown-mixer": (["bench", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
     "bench-hf-generate-zero-tokens": (["bench", "hf-generate", "--tokens", "0"], "tokens"),
+    "bench-plan-memory-missing-config": (["bench", "plan-memory", "--configs", "[nowhere.yaml]"], "nowhere.yaml"),
+    "bench-plan-memory-zero-micro-batch": (["bench", "plan-memory", "--configs", "[train.yaml]", "--micro_batch", "0"],
+                                           "micro_batch"),
+    "bench-compile-unknown-mixer": (["bench", "compile", "--mixers", "[nope]"], "nope"),
     # lm slurm submit (dry runs) and status
     "slurm-submit-zero-nodes": ([*SUBMIT, "--nodes", "0", *TRAIN_ARGS], "nodes"),
     "slurm-submit-zero-cpus": ([*SUBMIT, "--cpus_per_task", "0", *TRAIN_ARGS], "cpus_per_task"),

@@ -59,3 +59,12 @@ def test_peak_memory_in_fresh_processes():
     for (mixer, T), r in rows.items():
         assert r["peak_mib"] > 0 or mixer == "mesa" and T == 128  # mesa at 128: near RSS resolution
         assert math.isclose(r["mib_per_1k_tokens"], r["peak_mib"] / (T / 1000))
+
+
+def test_options_apply_to_every_row(monkeypatch):
+    seen = []
+    real = MIXERS["deltanet"].bench_op
+    monkeypatch.setattr(MIXERS["deltanet"], "bench_op", lambda self, *a: seen.append(self.value_dim) or real(self, *a))
+    result = bench_mixers(mixers=["deltanet", "gated_deltanet"], lengths=[32], memory=False, options={"expand_v": 1.5},
+                          **TINY)
+    assert result["options"] == {"expand_v": 1.5} and seen == [24, 24]  # V = 1.5 head_dim, both mixers

@@ -1,6 +1,6 @@
 """GPU only: mesa's optional fla backend (flash-linear-attention's chunk_mesa_net, Triton) against the torch code in
-bf16, with an initial state, the final state and gradients, and the torch code itself on CUDA. Skipped without CUDA
-(the fla comparison also without fla.ops.mesa_net).
+bf16, with an initial state, the final state and gradients, and the torch code itself on CUDA. Skipped without CUDA;
+with CUDA, a missing fla.ops.mesa_net is an error.
 
 fla's CG is not step-for-step ours (other warm start, +1e-5 in its step-size denominators, see lm/ops/fla_mesa.py),
 so the comparison runs enough steps for both to converge; what remains is bf16 rounding."""
@@ -8,22 +8,13 @@ so the comparison runs enough steps for both to converge; what remains is bf16 r
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_helpers import err_ratio, require_gpu
 
-from lm.ops.fla_mesa import fla_mesa_available
 from lm.ops.mesa import mesa
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_fla = pytest.mark.skipif(
-    not torch.cuda.is_available() or not fla_mesa_available(), reason="needs flash-linear-attention's mesa_net"
-)
+require_gpu("fla.ops.mesa_net")
 
 B, T, H, K = 2, 200, 4, 64  # V == K (fla's kernel); T not a multiple of fla's chunk size of 64
-
-
-def err_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS error, the measure fla's own tests use for half-precision kernels."""
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / (b.pow(2).mean().sqrt() + 1e-12)).item()
 
 
 def make_inputs(dtype=torch.bfloat16, seed=0) -> dict:
@@ -56,7 +47,6 @@ def run_and_grads(x: dict, backend: str = "torch", cg_steps: int = 30):
     return out, (G, Hs), dict(zip(x, grads))
 
 
-@needs_fla
 def test_fla_matches_torch():
     x = make_inputs()
     out, (G, Hs), grads = run_and_grads(x, "fla")
@@ -73,7 +63,6 @@ def test_fla_matches_torch():
         assert err < 5e-2, (name, err)
 
 
-@needs_fla
 def test_fla_refuses_what_it_cannot_do():
     x = make_inputs()
     args = (x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], x["lam"])

@@ -1,21 +1,14 @@
 """lm.ops.mlstm's optional mlstm_kernels backend (Triton, "chunkwise--triton_xl_chunk") against the torch code on a
-GPU. Skipped on machines without CUDA or without mlstm_kernels (and Triton)."""
+GPU. Skipped without CUDA; with CUDA, a missing mlstm_kernels is an error. Errors are per-tensor relative RMS errors
+(fla's measure), so that a gradient's few large entries do not set the tolerance of the rest."""
 
 import pytest
 import torch
+from gpu_helpers import err_ratio, require_gpu
 
-from lm.ops.mlstm import _mlstm_kernels_chunkwise_fn, _use_mlstm_kernels, mlstm
+from lm.ops.mlstm import _use_mlstm_kernels, mlstm
 
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    if _mlstm_kernels_chunkwise_fn() is None:
-        return "needs mlstm_kernels (with Triton)"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+require_gpu("mlstm_kernels.torch")
 
 B, H, K, V = 2, 4, 64, 64
 
@@ -35,11 +28,9 @@ def make_inputs(T, dtype, seed=0, with_state=False):
     return x, state
 
 
-def relative_close(a, b, tol):
-    a, b = a.detach().float(), b.detach().float()
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
-
-
+# On the lent H200 (2026-12-04, mlstm_kernels 2.0.6, Triton 3.6.0) the outputs agreed and dq did not: relative RMS
+# error 1.04 at T 64 in bf16 (docs/performance.md). Until that is understood "auto" never picks the kernel.
+@pytest.mark.xfail(reason="mlstm_kernels' dq differed from the torch code's on the H200", strict=False)
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 5e-2), (torch.float32, 2e-2)])  # kernel fp32 dots may be TF32
 @pytest.mark.parametrize("T, with_state", [(64, False), (256, False), (256, True)])
 def test_kernel_matches_torch(dtype, tol, T, with_state):
@@ -53,22 +44,21 @@ def test_kernel_matches_torch(dtype, tol, T, with_state):
     (out, final, grads), (want, want_final, want_grads) = results["mlstm_kernels"], results["torch"]
     assert out.dtype == dtype and all(s.dtype == torch.float32 for s in final)
     assert [tuple(s.shape) for s in final] == [(B, H, K, V), (B, H, K), (B, H)]
-    relative_close(out, want, tol)
+    assert err_ratio(out, want) < tol
     # The stabiliser m follows the same recursion in both, so the stabilised states compare directly.
-    for got, ref in zip(final, want_final):
-        relative_close(got, ref, tol)
+    for i, (got, ref) in enumerate(zip(final, want_final)):
+        assert err_ratio(got, ref) < tol, f"state {i}"
     for name, got, ref in zip(x, grads, want_grads):
         assert torch.isfinite(got).all(), name
-        relative_close(got, ref, 2 * tol)
+        assert err_ratio(got, ref) < tol, f"d{name}: {err_ratio(got, ref):.2e}"
 
 
 def test_auto_dispatch():
     x, _ = make_inputs(128, torch.bfloat16)
     args = (x["q"], x["k"], x["v"], None, 64)
-    assert _use_mlstm_kernels("auto", *args)
-    x32, _ = make_inputs(128, torch.float32)
-    assert not _use_mlstm_kernels("auto", x32["q"], x32["k"], x32["v"], None, 64)  # float32 stays exact
-    odd, _ = make_inputs(100, torch.bfloat16)  # T not a multiple of 16: torch
+    assert not _use_mlstm_kernels("auto", *args)  # the kernel runs only by name (see above)
+    assert _use_mlstm_kernels("mlstm_kernels", *args)
+    odd, _ = make_inputs(100, torch.bfloat16)
     out, _ = mlstm(*odd.values(), backend="auto")
     assert out.shape == (B, 100, H, V) and torch.isfinite(out.float()).all()
     with pytest.raises(RuntimeError, match="multiple of 16"):

@@ -1,11 +1,12 @@
-"""GPU only (skipped without CUDA): DeepSpeed's bf16 mode casts the parameters to bf16, DDP's autocast keeps them
-in fp32; with the recurrent ops' gate and decay arithmetic in fp32 either way, the losses agree to bf16 precision."""
+"""GPU only (skipped without CUDA; with CUDA, a missing DeepSpeed is an error): DeepSpeed's bf16 mode casts the
+parameters to bf16, DDP's autocast keeps them in fp32; with the recurrent ops' gate and decay arithmetic in fp32
+either way, the losses agree to bf16 precision."""
 
 import pytest
-import torch
+from gpu_helpers import require_gpu
 from test_scale_out import base_config, losses, train
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+require_gpu("deepspeed")
 
 
 @pytest.mark.parametrize("mixer", ["gated_deltanet", "mesa"])

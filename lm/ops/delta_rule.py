@@ -66,60 +66,100 @@ def delta_rule(
     else torch).
     """
     check_shapes(q, k, v, initial_state, reset=reset, beta=beta, log_alpha=log_alpha)
-    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule"):
+    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule", gated=log_alpha is not None):
         return fla_delta_rule(q, k, v, beta, log_alpha, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     return _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, reset, chunk_size)
 
 
-def _wy_transform(k, v, beta, g, decay, from_start):
+def _unit_lower_inverse_forward(a: torch.Tensor) -> torch.Tensor:
+    """(I + a)^{-1} for a strictly lower triangular [..., C, C], by halves: with T11, T22 the inverses of the diagonal
+    blocks, the inverse is [[T11, 0], [-T22 a21 T11, T22]]. Down to blocks of 16, which one triangular solve
+    inverts. On a CPU this is about twice as fast as one solve of the whole C x C system (its matmuls run near
+    matmul speed, a triangular solve does not)."""
+    C = a.shape[-1]
+    if C <= 16:
+        eye = torch.eye(C, dtype=a.dtype, device=a.device)
+        return torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    h = C // 2
+    t11, t22 = _unit_lower_inverse_forward(a[..., :h, :h]), _unit_lower_inverse_forward(a[..., h:, h:])
+    t21 = -t22 @ (a[..., h:, :h] @ t11)
+    return torch.cat([torch.cat([t11, torch.zeros_like(a[..., :h, h:])], -1), torch.cat([t21, t22], -1)], -2)
+
+
+class UnitLowerInverse(torch.autograd.Function):
+    """T = (I + a)^{-1} for a strictly lower triangular a, with the backward dL/da = -T^T (dL/dT) T^T: two matmuls,
+    where autograd through a triangular solve (or through the halves above) would take a solve or many small ops.
+    The gradient is returned whole; the caller's tril(-1) keeps only its strictly lower part."""
+
+    @staticmethod
+    def forward(ctx, a):
+        t = _unit_lower_inverse_forward(a)
+        ctx.save_for_backward(t)
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        (t,) = ctx.saved_tensors
+        t_T = t.transpose(-1, -2)
+        return -(t_T @ grad @ t_T)
+
+
+def _wy_transform(k, v, beta, decay, from_start):
     """Per chunk, solve (I + A) [W | U~] = [beta exp(g) k | beta v] (module docstring) for all chunks at once.
 
-    k [B, H, N, C, K], v [B, H, N, C, V], beta, g and from_start = exp(g) [B, H, N, C], decay = exp(g_t - g_j) for
-    t >= j [B, H, N, C, C] (both 0 across a reset). A is strictly lower triangular, so this is one
-    unit-lower-triangular solve (forward substitution) with K + V right-hand sides; no inverse is formed.
+    k [B, H, N, C, K], v [B, H, N, C, V], beta [B, H, N, C], from_start = exp(g) [B, H, N, C] or None (1: no decay),
+    decay = exp(g_t - g_j) for t >= j [B, H, N, C, C] or None (no decay: the causal mask alone; both are 0 across a
+    reset). A is strictly lower triangular; its inverse T = (I + A)^{-1} is formed once and applied to both
+    right-hand sides by matmuls: W = T diag(beta exp(g)) K, U~ = T diag(beta) V.
     """
-    A = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-    rhs = torch.cat([k * (beta * from_start)[..., None], v * beta[..., None]], dim=-1)
-    w_u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    return w_u.split([k.shape[-1], v.shape[-1]], dim=-1)
+    kk = k @ k.transpose(-1, -2)
+    A = (beta[..., :, None] * (kk if decay is None else kk * decay)).tril(-1)
+    t_beta = UnitLowerInverse.apply(A) * beta[..., None, :]  # T diag(beta)
+    w = t_beta @ (k if from_start is None else k * from_start[..., None])
+    return w, t_beta @ v
 
 
 @autocast_off()
 def _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, reset, chunk_size):
     """The chunkwise algorithm of the module docstring. Padded steps (zero q/k/v, beta = 0, log_alpha = 0) leave the
-    state untouched: alpha = 1 and beta = 0 make their update the identity."""
+    state untouched: alpha = 1 and beta = 0 make their update the identity. Without a decay or resets (DeltaNet's
+    training) every decay factor is 1 and only the causal masks remain, so they are left out."""
     T, V, in_dtype, dtype = q.shape[1], v.shape[-1], q.dtype, compute_dtype(q)
     state = initial_state_or_zeros(initial_state, q, V, dtype)
     docs = ChunkDocuments.of(reset, chunk_size, dtype)
     q, k, v = (to_head_chunks(x, chunk_size, dtype) for x in (q, k, v))  # [B, H, N, C, K or V]
     beta = to_head_chunks(beta, chunk_size, dtype)  # [B, H, N, C]
-    if log_alpha is None:
-        g = torch.zeros_like(beta)
+    if log_alpha is None and docs is None:
+        decay = to_end = from_start = chunk_decay = None
     else:
-        g = to_head_chunks(log_alpha, chunk_size, dtype).cumsum(-1)
-    g_last = g[..., -1:]  # [B, H, N, 1], log-decay over the whole chunk
-    decay = causal_decay(g, docs)  # exp(g_t - g_j) for t >= j, 0 above the diagonal (and across a reset)
-    to_end, from_start, chunk_decay = (g_last - g).exp(), g.exp(), g_last.exp()  # every exponent <= 0
-    if docs is not None:
-        to_end, from_start, chunk_decay = to_end * docs.to_end, from_start * docs.from_start, chunk_decay * docs.whole
+        g = torch.zeros_like(beta) if log_alpha is None else to_head_chunks(log_alpha, chunk_size, dtype).cumsum(-1)
+        g_last = g[..., -1:]  # [B, H, N, 1], log-decay over the whole chunk
+        decay = causal_decay(g, docs)  # exp(g_t - g_j) for t >= j, 0 above the diagonal (and across a reset)
+        to_end, from_start, chunk_decay = (g_last - g).exp(), g.exp(), g_last.exp()  # every exponent <= 0
+        if docs is not None:
+            to_end, from_start = to_end * docs.to_end, from_start * docs.from_start
+            chunk_decay = chunk_decay * docs.whole
 
-    w, u_tilde = _wy_transform(k, v, beta, g, decay, from_start)
-    scores = (q @ k.transpose(-1, -2)) * decay  # intra-chunk, decayed, causal (diagonal included)
-    k_to_end = k * to_end[..., None]  # decay from step j to the chunk's end
+    w, u_tilde = _wy_transform(k, v, beta, decay, from_start)
+    qk = q @ k.transpose(-1, -2)
+    scores = qk.tril() if decay is None else qk * decay  # intra-chunk, decayed, causal (diagonal included)
+    k_to_end = k if to_end is None else k * to_end[..., None]  # decay from step j to the chunk's end
 
-    # Sequential pass over chunks: the pseudo-values u depend on the state entering the chunk.
+    # Sequential pass over chunks: the pseudo-values u depend on the state entering the chunk. The chunks' pieces
+    # come from unbind, not x[:, :, n]: the backward of each such slice would fill a zero gradient of the whole size.
     entering, pseudo_values = [], []
-    for n in range(q.shape[2]):
-        u = u_tilde[:, :, n] - w[:, :, n] @ state  # [B, H, C, V]
+    decays = [None] * q.shape[2] if chunk_decay is None else chunk_decay[..., None].unbind(2)
+    for u_n, w_n, k_n, d_n in zip(u_tilde.unbind(2), w.unbind(2), k_to_end.transpose(-1, -2).unbind(2), decays):
+        u = u_n - w_n @ state  # [B, H, C, V]
         entering.append(state)
         pseudo_values.append(u)
-        state = chunk_decay[:, :, n, :, None] * state + k_to_end[:, :, n].transpose(-1, -2) @ u
+        state = (state if d_n is None else d_n * state) + k_n @ u
     entering = torch.stack(entering, dim=2)  # [B, H, N, K, V]
     u = torch.stack(pseudo_values, dim=2)  # [B, H, N, C, V]
 
-    out = torch.einsum("bhnck,bhnkv->bhncv", q * from_start[..., None], entering) + scores @ u
+    q_start = q if from_start is None else q * from_start[..., None]
+    out = q_start @ entering + scores @ u
     return (scale * from_head_chunks(out, T)).to(in_dtype), state
 
 
@@ -141,16 +181,18 @@ def delta_rule_recurrent(
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
     state = initial_state_or_zeros(initial_state, q, v.shape[-1], dtype)
+    # alpha_t, times 0 where the state is cleared ([B, T, H]); None: DeltaNet without resets, alpha = 1
+    alpha = None if log_alpha is None else log_alpha.to(dtype).exp()
+    if reset is not None:
+        alpha = keep_state(reset, dtype)[:, :, None] * (1 if alpha is None else alpha)
+    alphas = [None] * q.shape[1] if alpha is None else alpha[..., None, None].unbind(1)
     outs = []
-    for t in range(q.shape[1]):
-        if reset is not None:
-            state = state * keep_state(reset[:, t], dtype)[:, None, None, None]
-        k_t, b_t = k[:, t], beta[:, t, :, None]  # [B, H, K], [B, H, 1]
-        if log_alpha is not None:
-            state = log_alpha[:, t, :, None, None].to(dtype).exp() * state
+    # unbind rather than x[:, t]: the backward of T slices would write T full-size gradients.
+    for q_t, k_t, v_t, b_t, a_t in zip(*(x.unbind(1) for x in (q, k, v, beta[..., None])), alphas):
+        state = state if a_t is None else a_t * state
         # alpha (I - beta k k^T) S + beta k v^T = alpha S + beta k (v - alpha S^T k)^T, without forming I - beta k k^T.
-        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k_t)
+        error = v_t - torch.einsum("bhkv,bhk->bhv", state, k_t)
         state = state + torch.einsum("bhk,bhv->bhkv", k_t, b_t * error)
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q_t))
     out = scale * torch.stack(outs, dim=1)
     return out.to(in_dtype), state

@@ -12,10 +12,13 @@ conventions to fla's (checked against fla-core 0.6.0's source):
 """
 
 import functools
+import importlib.util
 import inspect
 import warnings
 
 import torch
+
+from lm.ops.kernel_packages import import_kernels
 
 BACKENDS = ("auto", "torch", "fla")
 
@@ -25,22 +28,39 @@ _FLA_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def fla_available() -> bool:
-    """Whether flash-linear-attention (and Triton) import; cached, since a failed import is slow to retry."""
-    try:
+    """Whether flash-linear-attention (and Triton) import; cached, since a failed import is slow to retry. An
+    installed fla that fails to import raises on a machine with CUDA (lm.ops.kernel_packages)."""
+
+    def load():
         import fla.ops.delta_rule  # noqa: F401
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.simple_gla  # noqa: F401
-    except Exception:  # ImportError, or a Triton/driver error raised at import time on machines without a GPU
+
+        return True
+
+    return bool(import_kernels(load))
+
+
+@functools.cache
+def fla_refuses_gated_backward() -> bool:
+    """Whether fla refuses the backward of its gated chunk kernels here (chunk_simple_gla, chunk_gated_delta_rule): fla
+    0.6 does on Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results were wrong there (fla's issue #640), unless
+    tilelang is installed. Seen on the lent H200 (Triton 3.6.0, docs/performance.md)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # fla versions without the guard
         return False
-    return True
+    refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
+    return bool(refused) and importlib.util.find_spec("tilelang") is None
 
 
-def use_fla(backend: str, *tensors: torch.Tensor | None, op: str) -> bool:
+def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated: bool = False) -> bool:
     """Resolve `backend` for `op`: True to call fla, False for the pure-PyTorch code.
 
     "torch" never uses fla; "fla" always does and raises if it cannot; "auto" uses fla only for CUDA tensors in
     bf16/fp16 when fla imports (float32/float64 inputs go to the exact torch code, which fla's delta-rule kernels
-    would reject anyway).
+    would reject anyway), and for a gated kernel (`gated`) that will be differentiated only where fla does not refuse
+    its backward (`fla_refuses_gated_backward`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -56,7 +76,18 @@ def use_fla(backend: str, *tensors: torch.Tensor | None, op: str) -> bool:
                 "(or `pip install flash-linear-attention`), or use backend='torch'"
             )
         return True
-    return on_cuda and tensors[0].dtype in _FLA_DTYPES and fla_available()
+    if not (on_cuda and tensors[0].dtype in _FLA_DTYPES and fla_available()):
+        return False
+    if gated and torch.is_grad_enabled() and fla_refuses_gated_backward():
+        warn_once(f"{op}: fla refuses its gated backward with this Triton on Hopper (fla issue #640); using the "
+                  "torch code. Triton >= 3.7.1 or tilelang restores fla.")
+        return False
+    return True
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _layout_kwargs(fn) -> dict:

@@ -22,16 +22,20 @@ import inspect
 import torch
 
 from lm.ops.fla import _FLA_DTYPES, _call
+from lm.ops.kernel_packages import import_kernels
 
 
 @functools.cache
 def fla_mesa_available() -> bool:
-    """Whether fla's MesaNet kernel imports (it needs Triton); cached, since a failed import is slow to retry."""
-    try:
+    """Whether fla's MesaNet kernel imports (it needs Triton); cached, since a failed import is slow to retry. An
+    installed fla that fails to import raises on a machine with CUDA (lm.ops.kernel_packages)."""
+
+    def load():
         from fla.ops.mesa_net import chunk_mesa_net  # noqa: F401
-    except Exception:  # ImportError, or a Triton/driver error raised at import time on machines without a GPU
-        return False
-    return True
+
+        return True
+
+    return bool(import_kernels(load))
 
 
 def fla_mesa_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cg_tol, return_info: bool,

@@ -42,20 +42,31 @@ def diagonal_scan_op_flops() -> float:
     return 0
 
 
+def unit_lower_inverse_flops(chunk: int) -> float:
+    """(I + A)^{-1} of one C x C chunk as delta_rule's UnitLowerInverse forms it: by halves, T21 = -T22 (A21 T11) with
+    two products, down to blocks of at most 16, each a unit-triangular solve against the identity (C(C - 1) per
+    column)."""
+    if chunk <= 16:
+        return chunk * (chunk - 1) * chunk
+    h = chunk // 2
+    rest = chunk - h
+    return unit_lower_inverse_flops(h) + unit_lower_inverse_flops(rest) + 2 * rest * h * h + 2 * rest * rest * h
+
+
 def delta_rule_op_flops(chunk: int, k: int, v: int) -> float:
-    """Per (padded) token and head: k k^T (2CK), the unit-triangular solve for [W | U~] with K + V right-hand sides
-    ((C - 1)(K + V)), q k^T and scores @ u (2C(K + V)), and three K x V products with the state: W S, the write
-    k^T u and the read q S (6KV)."""
-    return 2 * chunk * k + (chunk - 1) * (k + v) + 2 * chunk * (k + v) + 6 * k * v
+    """Per (padded) token and head: k k^T (2CK), the chunk's (I + A)^{-1} (unit_lower_inverse_flops / C), W and U~ from
+    it (2C(K + V)), q k^T and scores @ u (2C(K + V)), and three K x V products with the state: W S, the write k^T u
+    and the read q S (6KV)."""
+    return 2 * chunk * k + unit_lower_inverse_flops(chunk) / chunk + 4 * chunk * (k + v) + 6 * k * v
 
 
 def delta_rule_op_train_flops(chunk: int, k: int, v: int, n_chunks: int) -> float:
-    """3x the forward, except (1) the solve: its backward is one more solve and the full C x C x (K + V) product for
-    the gradient of the triangular matrix, 2 (C - 1)(K + V) + 2C(K + V) instead of 2 (C - 1)(K + V); and (2) the
-    per-chunk state products of the sequential pass that need no gradient: the first chunk's W S has none for the
-    zero initial state (2CKV) and the last chunk's write k^T u feeds only the final state, which no loss reads
-    (4CKV), i.e. 6KV / n_chunks per padded token."""
-    return 3 * delta_rule_op_flops(chunk, k, v) + (chunk + 1) * (k + v) - 6 * k * v / n_chunks
+    """3x the forward, except (1) the inverse: its backward is two C x C products (4C^2 per token), not twice its
+    forward; and (2) the per-chunk state products of the sequential pass that need no gradient: the first chunk's
+    W S has none for the zero initial state (2CKV) and the last chunk's write k^T u feeds only the final state, which
+    no loss reads (4CKV), i.e. 6KV / n_chunks per padded token."""
+    inverse = unit_lower_inverse_flops(chunk) / chunk
+    return 3 * (delta_rule_op_flops(chunk, k, v) - inverse) + inverse + 4 * chunk * chunk - 6 * k * v / n_chunks
 
 
 def mlstm_op_flops(chunk: int, k: int, v: int) -> float:

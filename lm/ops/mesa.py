@@ -112,8 +112,16 @@ def mesa(
 
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
-    out, G, H = _MesaFunction.apply(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info)
+    out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info)
     return (out, (G, H), info) if return_info else (out, (G, H))
+
+
+@torch.compiler.disable(reason="mesa's autograd Function writes its CG telemetry into a dict in forward and backward")
+def _apply_eagerly(*args):
+    """`_MesaFunction.apply`, left out of torch.compile: a named graph break at this call; the mixer's other layers
+    still compile. Dynamo cannot trace the info dict's updates (side effects inside the Function, the backward's among
+    them), and the CG loop with a tolerance stops on a data-dependent test, which would break the graph anyway."""
+    return _MesaFunction.apply(*args)
 
 
 @autocast_off()

@@ -5,7 +5,6 @@ from dataclasses import asdict
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from lm.model import LanguageModel, LMConfig
 from lm.training.param_groups import decay_groups, param_groups
@@ -14,9 +13,10 @@ from lm.training.schedule import OptimConfig, lr_at
 
 
 def next_token_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] (computed in float32)."""
-    logits, _ = model(windows[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+    """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] (float32; the head runs over chunks of
+    tokens inside the model's forward, so that FSDP's gathered weights serve it and no [tokens, vocab] logits exist)."""
+    loss, _ = model(windows[:, :-1], targets=windows[:, 1:])
+    return loss
 
 
 class LMModule(L.LightningModule):

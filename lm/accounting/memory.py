@@ -1,0 +1,159 @@
+"""Per-GPU memory of a training step: a plan from the config, before anything is allocated (`lm bench plan-memory`).
+
+    weights, gradients, optimizer state   from the parameter count and the strategy (what it shards over the world)
+    activations                            what autograd keeps for the backward pass, per block
+    logits                                 the chunked head's buffers (lm.ops.cross_entropy): never [tokens, vocab]
+    Mesa's CG buffers                      the solve's working vectors and chunked key state, one layer at a time
+    transient                              one block's backward, which makes gradients as large as what it kept
+
+Activations are counted, not guessed: one block of each mixer runs forward on the CPU at the real width over two
+short lengths, under the step's precision, and every tensor autograd saves is summed once (parameters excluded). The
+two lengths give bytes = a + b T per sequence, which bench/memory.py showed holds for every mixer (linear in T).
+
+The peak: weights + optimizer state + the autocast cache, plus the larger of (all activations + logits buffers +
+one block's transient + Mesa's buffers), at the start of the backward pass, and (all gradients + the head's
+gradient), at its end. With activation checkpointing each block keeps only its input, and one block's activations
+exist again while it is recomputed. `bench/plan_memory.py --check` holds this to measured CPU peaks.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from lm.accounting.flops import param_count
+from lm.model import Block, LMConfig
+from lm.ops.cross_entropy import chunk_tokens
+
+GIB = 2**30
+
+# Bytes per parameter of (weights, gradients, AdamW's two moments), by strategy, before sharding. "single" is one
+# process or DDP (DDP adds its gradient buckets); fsdp is FSDP2 (everything sharded); deepspeed is bf16 weights and
+# gradients with fp32 master weights in the optimizer state (ZeRO-2 shards gradients and optimizer, ZeRO-3 all).
+STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3")
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    mesa_cg: float
+    transient: float
+    autocast_cache: float
+    peak: float
+
+    def gib(self) -> dict[str, float]:
+        return {name: value / GIB for name, value in self.__dict__.items()}
+
+
+def state_bytes(params: int, strategy: str, world_size: int, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) in bytes per GPU."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    n = world_size
+    if strategy in ("single", "ddp"):
+        buckets = 4 * params if strategy == "ddp" and n > 1 else 0  # DDP's gradient buckets, a second copy
+        return 4 * params, 4 * params + buckets, 8 * params
+    if strategy == "fsdp":
+        return 4 * params / n, 4 * params / n, 8 * params / n
+    half = 2 if precision == "bf16-mixed" else 4
+    master = 4 * params / n if half == 2 else 0  # fp32 master weights beside the bf16 ones
+    if strategy == "zero2":
+        return half * params, half * params + 4 * params / n, 8 * params / n + master
+    return half * params / n, half * params / n + 4 * params / n, 8 * params / n + master  # zero3
+
+
+_saved: dict[tuple, int] = {}  # counting runs a block: once per shape
+
+
+def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool) -> int:
+    """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted)."""
+    key = (mixer, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_hidden, repr(cfg.mixer_options.get(mixer)),
+           seq_len, bf16)
+    if key not in _saved:
+        _saved[key] = count_saved_bytes(replace(cfg, n_layers=1, mixer=mixer, layer_pattern=None), seq_len, bf16)
+    return _saved[key]
+
+
+def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool) -> int:
+    torch.manual_seed(0)
+    block = Block(cfg, 0, cfg.mixer)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    param_shapes = {p.shape for p in block.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        # Not the weights, nor autocast's bf16 copies of them (the autocast cache, counted once per model).
+        if storage.data_ptr() not in params and not (t.dtype != torch.float32 and t.shape in param_shapes):
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        block(x)
+    return sum(seen.values())
+
+
+def activation_bytes(cfg: LMConfig, mixer: str, tokens: int, seq_len: int, bf16: bool) -> float:
+    """Bytes kept by one block of `mixer` for micro-batch tokens in sequences of seq_len: a + b T per sequence from
+    two counted lengths (whole chunks of 64, where the chunked ops keep the same layout)."""
+    short, long = 128, 256
+    a_short, a_long = saved_bytes(cfg, mixer, short, bf16), saved_bytes(cfg, mixer, long, bf16)
+    per_token = (a_long - a_short) / (long - short)
+    per_sequence = a_short - per_token * short
+    return tokens / seq_len * per_sequence + tokens * per_token
+
+
+def mesa_cg_bytes(cfg: LMConfig, tokens: int) -> float:
+    """Mesa's solve, in float32 whatever the precision: per token and head the chunked keys (K), the decay weights
+    of its chunk (C), its share of the chunk's entering key state (K^2 / C), and about ten K-vectors of CG and its
+    matrix-vector products (x, r, p, A p, b, the Jacobi diagonal and their temporaries)."""
+    options = cfg.mixer_options.get("mesa", {})
+    C, K = options.get("chunk_size", 64), cfg.head_dim
+    return 4 * tokens * cfg.n_heads * (2 * C + K * K / C + 10 * K)
+
+
+def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "single", world_size: int = 1,
+                precision: str = "bf16-mixed", activation_checkpointing: bool = False) -> MemoryPlan:
+    """The per-GPU memory of a training step of micro_batch sequences of seq_len (see the module docstring)."""
+    bf16 = precision == "bf16-mixed"
+    act = 2 if bf16 else 4  # bytes of an activation
+    params = param_count(cfg)
+    weights, gradients, optimizer = state_bytes(params, strategy, world_size, precision)
+    tokens = micro_batch * seq_len
+    per_block = [activation_bytes(cfg, mixer, tokens, seq_len, bf16) for mixer in cfg.layer_mixers()]
+    if activation_checkpointing:
+        activations = cfg.n_layers * tokens * cfg.d_model * 4 + max(per_block)  # inputs kept; one block recomputed
+    else:
+        activations = sum(per_block)
+    activations += 3 * tokens * cfg.d_model * 4  # the embedding's output, the final norm's input and output
+    head_grad = 4 * cfg.vocab_size * cfg.d_model  # float32, made in the forward pass
+    chunk = min(tokens, chunk_tokens(cfg.vocab_size))
+    logits = head_grad + tokens * cfg.d_model * act + 4 * chunk * cfg.vocab_size * 4  # + dx, and 4 chunk buffers
+    mesa_cg = mesa_cg_bytes(cfg, tokens) if "mesa" in cfg.layer_mixers() else 0.0
+    transient = max(per_block)
+    autocast_cache = 2 * params if bf16 and strategy in ("single", "ddp", "fsdp") else 0.0  # bf16 copies of weights
+    peak = weights + optimizer + autocast_cache + max(activations + logits + transient + mesa_cg,
+                                                      gradients + head_grad)
+    return MemoryPlan(weights, gradients, optimizer, activations, logits, mesa_cg, transient, autocast_cache, peak)
+
+
+def largest_micro_batch(cfg: LMConfig, seq_len: int, gpu_bytes: float, limit: int = 1024, **kwargs) -> int:
+    """The largest micro_batch whose planned peak fits in gpu_bytes (0: not even one sequence)."""
+    fits = lambda b: plan_memory(cfg, b, seq_len, **kwargs).peak <= gpu_bytes  # noqa: E731
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

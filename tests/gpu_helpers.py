@@ -1,0 +1,22 @@
+"""What the GPU-only tests share: skip without CUDA, fail on a GPU machine whose kernel packages are missing (so that
+bench/gpu.sh cannot look green by skipping), and fla's measure of error for half-precision kernels."""
+
+import importlib
+
+import pytest
+import torch
+
+
+def require_gpu(*packages: str) -> None:
+    """Skip the calling test module without CUDA. With CUDA, import each package: a missing or broken one is an
+    error when pytest collects the module, not a skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA", allow_module_level=True)
+    for name in packages:
+        importlib.import_module(name)
+
+
+def err_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of a against b, the measure fla's own tests use for half-precision kernels."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).pow(2).mean().sqrt() / (b.pow(2).mean().sqrt() + 1e-12)).item()

@@ -1,0 +1,56 @@
+"""lm.accounting.memory, the per-GPU memory plan: its parts by strategy, the micro_batch search, and the whole plan
+against a measured CPU peak (as `lm bench plan-memory --check` does at three sizes)."""
+
+import json
+
+import pytest
+import yaml
+
+from bench.memory import fresh_processes
+from bench.plan_memory import bench_plan_memory, measured_peak_bytes
+from lm.accounting.flops import param_count
+from lm.accounting.memory import GIB, largest_micro_batch, plan_memory, state_bytes
+from lm.model import LMConfig
+
+TINY = LMConfig(vocab_size=8192, d_model=256, n_layers=2, n_heads=4, head_dim=64, max_seq_len=512)
+
+
+def test_the_strategies_shard_what_they_should():
+    P, n = 1_000_000, 8
+    assert state_bytes(P, "single", 1, "bf16-mixed") == (4 * P, 4 * P, 8 * P)
+    assert state_bytes(P, "ddp", n, "bf16-mixed")[1] == 8 * P  # the gradients and DDP's buckets
+    assert state_bytes(P, "fsdp", n, "bf16-mixed") == (4 * P / n, 4 * P / n, 8 * P / n)
+    weights, grads, optimizer = state_bytes(P, "zero2", n, "bf16-mixed")
+    assert weights == 2 * P and optimizer == 12 * P / n  # bf16 weights whole; moments and fp32 master sharded
+    assert sum(state_bytes(P, "zero3", n, "bf16-mixed")) < weights + grads + optimizer
+
+
+def test_the_largest_micro_batch_is_the_edge_of_fitting():
+    for ckpt in (False, True):
+        budget = plan_memory(TINY, 5, 512, activation_checkpointing=ckpt).peak + 1
+        assert largest_micro_batch(TINY, 512, budget, activation_checkpointing=ckpt) == 5
+    assert plan_memory(TINY, 8, 512, activation_checkpointing=True).activations < \
+        plan_memory(TINY, 8, 512).activations
+    assert largest_micro_batch(TINY, 512, 1) == 0
+    assert plan_memory(TINY, 1, 512).weights == 4 * param_count(TINY)
+
+
+def test_the_plan_is_within_15_percent_of_a_measured_cpu_peak():
+    cfg = LMConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, head_dim=64, max_seq_len=1024)
+    with fresh_processes() as pool:
+        measured = pool.apply(measured_peak_bytes, (cfg, 2, 1024))
+    plan = plan_memory(cfg, 2, 1024, precision="fp32")
+    assert plan.activations > plan.peak / 2  # what the plan must get right here
+    planned = plan.peak
+    assert abs(planned / measured - 1) < 0.15, (planned / 2**20, measured / 2**20)
+
+
+def test_the_command_fits_micro_batches_to_gpus(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    bench_plan_memory(configs=["configs/attention/400m.yaml"], gpu_gib=[80, 141], json_out=str(out))
+    row = json.loads(out.read_text())[0]
+    assert row["micro_batch"] == 16 and row["seq_len"] == 2048
+    assert 0 < row["fits_80gib"] <= row["fits_141gib"] and row["fits_80gib"] <= row["fits_80gib_ckpt"]
+    cfg = LMConfig(**yaml.safe_load(open("configs/attention/400m.yaml"))["model"])
+    assert row["peak"] * GIB == pytest.approx(plan_memory(cfg, 16, 2048).peak)
+    assert "| configs/attention/400m.yaml | 2048 | 16 |" in capsys.readouterr().out
