@@ -14,6 +14,7 @@ import yaml
 from bench.memory import fresh_processes, rss_kib
 from lm.accounting.memory import GIB, STRATEGIES, largest_micro_batch, plan_memory
 from lm.errors import UserError
+from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 from lm.training.module import next_token_loss
 
@@ -21,7 +22,6 @@ MIB = 2**20
 
 # (d_model, n_layers, vocab_size, seq_len, micro_batch): three small sizes where the CPU can measure a whole step.
 CHECK_SIZES = [(256, 2, 8192, 512, 2), (384, 4, 16384, 1024, 2), (512, 4, 32768, 2048, 2)]
-CHECK_MIXERS = ["attention", "gated_deltanet", "mesa"]
 
 
 def measured_peak_bytes(cfg: LMConfig, micro_batch: int, seq_len: int) -> float:
@@ -74,7 +74,7 @@ def model_of(path: str) -> tuple[LMConfig, dict]:
 def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = None, micro_batch: int | None = None,
                       gpu_gib: list[float] = [80, 141], strategy: str = "single", world_size: int = 1,  # noqa: B006
                       precision: str = "bf16-mixed", check: bool = False,
-                      check_mixers: list[str] = CHECK_MIXERS, json_out: str | None = None):  # noqa: B006
+                      check_mixers: list[str] | None = None, json_out: str | None = None):
     """The memory plan of each config at its micro_batch and seq_len (or the ones given), by component, and the
     largest micro_batch that fits each GPU size with and without activation checkpointing.
 
@@ -87,7 +87,7 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
         world_size: GPUs the strategy shards over.
         precision: bf16-mixed (as on a GPU) or fp32.
         check: Instead, hold the plan to measured fp32 CPU peaks of whole training steps at three small sizes.
-        check_mixers: The mixers of the check.
+        check_mixers: The mixers of the check (default: every mixer).
         json_out: Also write the result as JSON to this path.
     """
     if strategy not in STRATEGIES or precision not in ("bf16-mixed", "fp32") or world_size < 1:
@@ -96,7 +96,10 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
     if (seq_len is not None and seq_len < 1) or (micro_batch is not None and micro_batch < 1):
         raise UserError(f"--seq_len and --micro_batch must be >= 1, got {seq_len} and {micro_batch}")
     if check:
-        result = check_against_cpu(check_mixers)
+        unknown = set(check_mixers or []) - set(MIXERS)
+        if unknown:
+            raise UserError(f"--check_mixers must be among {', '.join(MIXERS)} (unknown: {sorted(unknown)})")
+        result = check_against_cpu(check_mixers or list(MIXERS))
     else:
         if not configs:
             raise UserError("give --configs (run config YAMLs), or --check true")

@@ -4,6 +4,7 @@
     activations                            what autograd keeps for the backward pass, per block
     logits                                 the chunked head's buffers (lm.ops.cross_entropy): never [tokens, vocab]
     Mesa's CG buffers                      the solve's working vectors and chunked key state, one layer at a time
+                                           (the mixers' `workspace_bytes_per_token`)
     transient                              one block's backward, which makes gradients as large as what it kept
 
 Activations are counted, not guessed: one block of each mixer runs forward on the CPU at the real width over two
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from lm.accounting.flops import param_count
+from lm.mixers import MIXERS
 from lm.model import Block, LMConfig
 from lm.ops.cross_entropy import chunk_tokens
 
@@ -110,13 +112,12 @@ def activation_bytes(cfg: LMConfig, mixer: str, tokens: int, seq_len: int, bf16:
     return tokens / seq_len * per_sequence + tokens * per_token
 
 
-def mesa_cg_bytes(cfg: LMConfig, tokens: int) -> float:
-    """Mesa's solve, in float32 whatever the precision: per token and head the chunked keys (K), the decay weights
-    of its chunk (C), its share of the chunk's entering key state (K^2 / C), and about ten K-vectors of CG and its
-    matrix-vector products (x, r, p, A p, b, the Jacobi diagonal and their temporaries)."""
-    options = cfg.mixer_options.get("mesa", {})
-    C, K = options.get("chunk_size", 64), cfg.head_dim
-    return 4 * tokens * cfg.n_heads * (2 * C + K * K / C + 10 * K)
+def workspace_bytes(cfg: LMConfig, tokens: int) -> float:
+    """The largest working memory one layer's op holds beyond what autograd saves (each mixer's
+    `workspace_bytes_per_token`: Mesa's CG buffers; 0 for the others)."""
+    return tokens * max(MIXERS[name].workspace_bytes_per_token(cfg.d_model, cfg.n_heads, cfg.head_dim,
+                                                               **cfg.mixer_options.get(name, {}))
+                        for name in set(cfg.layer_mixers()))
 
 
 def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "single", world_size: int = 1,
@@ -136,7 +137,7 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
     head_grad = 4 * cfg.vocab_size * cfg.d_model  # float32, made in the forward pass
     chunk = min(tokens, chunk_tokens(cfg.vocab_size))
     logits = head_grad + tokens * cfg.d_model * act + 4 * chunk * cfg.vocab_size * 4  # + dx, and 4 chunk buffers
-    mesa_cg = mesa_cg_bytes(cfg, tokens) if "mesa" in cfg.layer_mixers() else 0.0
+    mesa_cg = workspace_bytes(cfg, tokens)
     transient = max(per_block)
     autocast_cache = 2 * params if bf16 and strategy in ("single", "ddp", "fsdp") else 0.0  # bf16 copies of weights
     peak = weights + optimizer + autocast_cache + max(activations + logits + transient + mesa_cg,

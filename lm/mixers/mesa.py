@@ -198,6 +198,14 @@ class Mesa(Mixer):
             per_head += 2 * head_dim * head_dim  # H_T is still carried: one product, no backward (no loss reads it)
         return n_heads * per_head
 
+    @classmethod
+    def workspace_bytes_per_token(cls, d_model, n_heads, head_dim, **options) -> float:
+        """The CG solve's buffers, float32 whatever the precision: per token and head the chunked keys (K), the decay
+        weights of its chunk (C), its share of the chunk's entering key state (K^2 / C), and about ten K-vectors of
+        CG and its matrix-vector products (x, r, p, A p, b, the Jacobi diagonal and their temporaries)."""
+        C, K = cls.check_options(options).chunk_size, head_dim
+        return 4 * n_heads * (2 * C + K * K / C + 10 * K)
+
     @torch.no_grad()
     def bench_op(self, batch: int, T: int) -> OpCall:
         randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]

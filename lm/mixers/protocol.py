@@ -145,6 +145,12 @@ class Mixer(nn.Module):
         matrices = (6 if training else 2) * cls.param_count(d_model, n_heads, head_dim, **options)
         return matrices + cls.op_flops_per_token(d_model, n_heads, head_dim, seq_len, training, **options)
 
+    @classmethod
+    def workspace_bytes_per_token(cls, d_model: int, n_heads: int, head_dim: int, **options) -> float:
+        """Bytes per token of working memory the op holds beyond what autograd saves, one layer at a time (the
+        memory plan, lm.accounting.memory): 0 for most mixers; Mesa's CG buffers."""
+        return 0.0
+
     def metrics(self) -> dict:
         return {}
 
