@@ -28,10 +28,18 @@ def register_hf_config(configuration_auto) -> None:
 
 
 def register_hf_model(modeling_auto) -> None:
-    from lm.hf.config import LMHFConfig
-    from lm.hf.model import LMForCausalLM
+    """LMForCausalLM under model_type "lm", as transformers lists its own models: by name, in the mapping's names, with
+    the module that holds it. That module (lm.hf.auto_model) imports lm.hf.model only when the class is first asked
+    for: importing transformers' Auto classes happens in every Lightning process (torchmetrics imports them), and
+    lm.hf.model with it would cost each one seconds."""
+    import importlib
 
-    modeling_auto.AutoModelForCausalLM.register(LMHFConfig, LMForCausalLM, exist_ok=True)
+    from lm.hf.config import MODEL_TYPE, LMHFConfig
+
+    mapping = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[MODEL_TYPE] = "LMForCausalLM"
+    mapping._reverse_config_mapping[LMHFConfig.__name__] = MODEL_TYPE
+    mapping._modules[MODEL_TYPE] = importlib.import_module("lm.hf.auto_model")
 
 
 # module name -> what to register once it has been imported

@@ -3,6 +3,7 @@ model in float32 on the CPU; and liger-kernel's fused head cross-entropy against
 CUDA; with CUDA, a missing kernel package is an error."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,20 @@ def test_mixer_on_cuda_bf16_matches_cpu_float32(mixer):
     errors = {name: err_ratio(got[name], want[name]) for name in want}
     worst = max(errors, key=errors.get)
     assert errors[worst] < 5e-2, (worst, errors[worst])
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", "gated_deltanet"])
+def test_the_delta_rule_mixers_reach_fla_under_autocast(mixer, monkeypatch):
+    """Under CUDA autocast the mixer's q and k stay bf16 (F.normalize's norm would make them float32), so "auto" runs
+    fla's kernel. Without a gradient: fla refuses no forward."""
+    ops_module = sys.modules["lm.ops.delta_rule"]  # the module (the package's lm.ops.delta_rule is the function)
+    real, calls = ops_module.fla_delta_rule, []
+    monkeypatch.setattr(ops_module, "fla_delta_rule", lambda *a, **kw: calls.append(mixer) or real(*a, **kw))
+    cfg = LMConfig(vocab_size=1024, d_model=256, n_layers=1, n_heads=2, head_dim=64, mixer=mixer, max_seq_len=256)
+    model = LanguageModel(cfg).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model(torch.randint(0, 1024, (2, 256), device="cuda"))
+    assert calls == [mixer]
 
 
 def test_head_loss_dispatches_to_liger_and_matches_the_chunked_torch_form():

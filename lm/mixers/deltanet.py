@@ -88,7 +88,9 @@ class DeltaNet(Mixer):
         v, v_state = self.v_conv(self.v_proj(x), state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
         if self.options.qk_norm:
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+            # In their own dtype: CUDA autocast runs `norm` in float32, which would make q and k float32 and send
+            # "auto" to the torch code instead of fla's bf16 kernels (as on the lent H200, docs/performance.md).
+            q, k = F.normalize(q, dim=-1).to(q.dtype), F.normalize(k, dim=-1).to(k.dtype)
         v = v.view(B, T, self.n_heads, self.value_dim)
         beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))
         recurrent = T == 1 and "memory" in state
