@@ -28,9 +28,6 @@ from lm.ops.cross_entropy import chunk_tokens
 
 GIB = 2**30
 
-# Bytes per parameter of (weights, gradients, AdamW's two moments), by strategy, before sharding. "single" is one
-# process or DDP (DDP adds its gradient buckets); fsdp is FSDP2 (everything sharded); deepspeed is bf16 weights and
-# gradients with fp32 master weights in the optimizer state (ZeRO-2 shards gradients and optimizer, ZeRO-3 all).
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3")
 
 
@@ -53,7 +50,9 @@ class MemoryPlan:
 
 
 def state_bytes(params: int, strategy: str, world_size: int, precision: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) in bytes per GPU."""
+    """(weights, gradients, AdamW's two moments) in bytes per GPU. single: one process; ddp: the same, plus DDP's
+    gradient buckets on more than one; fsdp: FSDP2, everything sharded; zero2 / zero3: DeepSpeed's bf16 weights and
+    gradients with fp32 master weights in the optimizer state, ZeRO-2 sharding gradients and optimizer, ZeRO-3 all."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     n = world_size
