@@ -7,6 +7,7 @@ grows with T: activations kept for the backward pass, the mixers' chunk states, 
 Weights, gradients and AdamW's moments exist before the measured step (a short step runs first).
 """
 
+import ctypes
 import gc
 import json
 import multiprocessing
@@ -25,6 +26,18 @@ from lm.training.module import next_token_loss
 def rss_kib() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def return_freed_memory_at_once():
+    """Make glibc give every allocation over 64 KiB its own mapping, unmapped when freed, so that RSS follows the live
+    tensors rather than what malloc keeps for reuse (its threshold otherwise grows as tensors are freed). Elsewhere
+    than glibc this does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD (setting it also stops glibc's own adjustment)
+    libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
 
 
 def peak_growth_mib(fn) -> float:

@@ -5,13 +5,16 @@ fits each GPU size, with and without activation checkpointing; `--check` holds t
     lm bench plan-memory --check true
 """
 
+import gc
+import glob
 import json
 import resource
+from dataclasses import replace
 
 import torch
 import yaml
 
-from bench.memory import fresh_processes, rss_kib
+from bench.memory import fresh_processes, return_freed_memory_at_once, rss_kib
 from lm.accounting.memory import GIB, STRATEGIES, largest_micro_batch, plan_memory
 from lm.errors import UserError
 from lm.mixers import MIXERS
@@ -25,17 +28,26 @@ CHECK_SIZES = [(256, 2, 8192, 512, 2), (384, 4, 16384, 1024, 2), (512, 4, 32768,
 
 
 def measured_peak_bytes(cfg: LMConfig, micro_batch: int, seq_len: int) -> float:
-    """Peak RSS growth of building the model and AdamW and running two fp32 training steps (in a fresh process)."""
+    """Peak RSS growth of building the model and AdamW and running two fp32 training steps, in a fresh process.
+
+    What the process loads once (code pages, thread pools, lazy imports) would count as tensors, so one short step
+    of the same model runs first, and freed tensors leave RSS at once (return_freed_memory_at_once)."""
+    return_freed_memory_at_once()
+    warm = replace(cfg, vocab_size=64)
+    train_steps(LanguageModel(warm), torch.randint(0, 64, (1, 65)), steps=1)
+    gc.collect()
     torch.manual_seed(0)
     base = rss_kib()
-    model = LanguageModel(cfg)
+    train_steps(LanguageModel(cfg), torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1)), steps=2)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+
+
+def train_steps(model: LanguageModel, windows: torch.Tensor, steps: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    windows = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1))
-    for _ in range(2):
+    for _ in range(steps):
         next_token_loss(model, windows).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
 
 
 def check_against_cpu(mixers: list[str]) -> list[dict]:
@@ -79,7 +91,8 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
     largest micro_batch that fits each GPU size with and without activation checkpointing.
 
     Args:
-        configs: Run config YAMLs (their `model` and `data` sections).
+        configs: Run config YAMLs (their `model` and `data` sections); a pattern such as configs/*/1b.yaml stands for
+            the files it matches.
         seq_len: Tokens per sequence (default: each config's data.seq_len).
         micro_batch: Sequences per GPU per step (default: each config's data.micro_batch).
         gpu_gib: GPU memory sizes in GiB to fit (80 for an H100, 141 for an H200).
@@ -104,7 +117,7 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
         if not configs:
             raise UserError("give --configs (run config YAMLs), or --check true")
         rows = []
-        for path in configs:
+        for path in [match for pattern in configs for match in sorted(glob.glob(pattern)) or [pattern]]:
             cfg, data = model_of(path)
             T = seq_len or data.get("seq_len", cfg.max_seq_len)
             b = micro_batch or data.get("micro_batch", 1)

@@ -36,19 +36,20 @@ def test_the_largest_micro_batch_is_the_edge_of_fitting():
 
 
 def test_the_plan_is_within_15_percent_of_a_measured_cpu_peak():
-    cfg = LMConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, head_dim=64, max_seq_len=1024)
+    cfg = LMConfig(vocab_size=1024, d_model=256, n_layers=8, n_heads=4, head_dim=64, max_seq_len=2048)
     with fresh_processes() as pool:
-        measured = pool.apply(measured_peak_bytes, (cfg, 2, 1024))
-    plan = plan_memory(cfg, 2, 1024, precision="fp32")
-    assert plan.activations > plan.peak / 2  # what the plan must get right here
+        measured = pool.apply(measured_peak_bytes, (cfg, 1, 2048))
+    plan = plan_memory(cfg, 1, 2048, precision="fp32")
+    assert plan.activations > 0.7 * plan.peak  # what the plan must get right here
     planned = plan.peak
     assert abs(planned / measured - 1) < 0.15, (planned / 2**20, measured / 2**20)
 
 
 def test_the_command_fits_micro_batches_to_gpus(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    bench_plan_memory(configs=["configs/attention/400m.yaml"], gpu_gib=[80, 141], json_out=str(out))
-    row = json.loads(out.read_text())[0]
+    bench_plan_memory(configs=["configs/attention/4*.yaml"], gpu_gib=[80, 141], json_out=str(out))  # a pattern
+    (row,) = json.loads(out.read_text())
+    assert row["config"] == "configs/attention/400m.yaml"
     assert row["micro_batch"] == 16 and row["seq_len"] == 2048
     assert 0 < row["fits_80gib"] <= row["fits_141gib"] and row["fits_80gib"] <= row["fits_80gib_ckpt"]
     cfg = LMConfig(**yaml.safe_load(open("configs/attention/400m.yaml"))["model"])

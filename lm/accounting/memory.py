@@ -11,9 +11,10 @@ Activations are counted, not guessed: one block of each mixer runs forward on th
 short lengths, under the step's precision, and every tensor autograd saves is summed once (parameters excluded). The
 two lengths give bytes = a + b T per sequence, which bench/memory.py showed holds for every mixer (linear in T).
 
-The peak: weights + optimizer state + the autocast cache, plus the larger of (all activations + logits buffers +
-one block's transient + Mesa's buffers), at the start of the backward pass, and (all gradients + the head's
-gradient), at its end. With activation checkpointing each block keeps only its input, and one block's activations
+The peak: weights + optimizer state + the autocast cache, plus the larger of two moments. At the start of the backward
+pass: all activations + what the head keeps (its weight's and input's gradients) + the larger of the loss's chunk
+buffers (which exist only in the forward) and one block's transient with Mesa's buffers. At its end: all gradients +
+the head's gradient. With activation checkpointing each block keeps only its input, and one block's activations
 exist again while it is recomputed. `bench/plan_memory.py --check` holds this to measured CPU peaks.
 """
 
@@ -134,13 +135,16 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
         activations = sum(per_block)
     activations += 3 * tokens * cfg.d_model * 4  # the embedding's output, the final norm's input and output
     head_grad = 4 * cfg.vocab_size * cfg.d_model  # float32, made in the forward pass
+    head_kept = head_grad + tokens * cfg.d_model * act  # and the gradient of the head's input
     chunk = min(tokens, chunk_tokens(cfg.vocab_size))
-    logits = head_grad + tokens * cfg.d_model * act + 4 * chunk * cfg.vocab_size * 4  # + dx, and 4 chunk buffers
+    chunk_buffers = 4 * chunk * cfg.vocab_size * 4  # the loss's logits, soft cap, softmax and gradient, one chunk
+    logits = head_kept + chunk_buffers
     mesa_cg = workspace_bytes(cfg, tokens)
     transient = max(per_block)
     autocast_cache = 2 * params if bf16 and strategy in ("single", "ddp", "fsdp") else 0.0  # bf16 copies of weights
-    peak = weights + optimizer + autocast_cache + max(activations + logits + transient + mesa_cg,
-                                                      gradients + head_grad)
+    # The chunk buffers live only in the forward pass's loss; a block's backward and Mesa's solve come after them.
+    backward_start = activations + head_kept + max(chunk_buffers, transient + mesa_cg)
+    peak = weights + optimizer + autocast_cache + max(backward_start, gradients + head_grad)
     return MemoryPlan(weights, gradients, optimizer, activations, logits, mesa_cg, transient, autocast_cache, peak)
 
 
