@@ -32,10 +32,9 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check lm data_prep eval bench tests configs slurm hatch_build.py
 
-# Wheels for the packages a lent GPU machine lacks (it has torch, triton, lightning but no network); bench/gpu.sh
-# installs them from .whl/ there.
 # What the GPU machine's image lacks, as wheels for its Python 3.12 (bench/gpu.sh installs them there, offline): every
 # package the GPU tests and `lm bench train` import (DeepSpeed, which ships no wheel, is built here), and their needs.
+# That machine has torch, triton and lightning, but no network.
 GPU_WHEELS = jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0 flash-linear-attention==0.6.0 \
 	fla-core==0.6.0 mlstm_kernels==2.0.6 liger-kernel==0.8.5 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0

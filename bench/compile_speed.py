@@ -18,7 +18,7 @@ import torch
 import torch._dynamo
 
 from bench.timing import best_interleaved
-from bench.train_speed import device_name, packed_windows
+from bench.train_speed import device_name, packed_windows, write_json
 from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
@@ -132,6 +132,5 @@ def bench_compile(mixers: list[str] | None = None, d_model: int = 256, n_layers:
         for reason in r.get("break_reasons", []):
             print(f"- {r['mixer']}: {reason}")
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(json_out, result)
     return result

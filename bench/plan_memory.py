@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from bench.memory import fresh_processes, return_freed_memory_at_once, rss_kib
-from lm.accounting.memory import GIB, STRATEGIES, largest_micro_batch, plan_memory
+from bench.train_speed import write_json
+from lm.accounting.memory import STRATEGIES, micro_batch_fits, plan_memory
 from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
@@ -122,12 +123,8 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
             T = seq_len or data.get("seq_len", cfg.max_seq_len)
             b = micro_batch or data.get("micro_batch", 1)
             kw = dict(strategy=strategy, world_size=world_size, precision=precision)
-            row = {"config": path, "seq_len": T, "micro_batch": b, **plan_memory(cfg, b, T, **kw).gib()}
-            for gib in gpu_gib:
-                for ckpt in (False, True):
-                    fit = largest_micro_batch(cfg, T, gib * GIB, activation_checkpointing=ckpt, **kw)
-                    row[f"fits_{gib:g}gib" + ("_ckpt" if ckpt else "")] = fit
-            rows.append(row)
+            rows.append({"config": path, "seq_len": T, "micro_batch": b, **plan_memory(cfg, b, T, **kw).gib(),
+                         **micro_batch_fits(cfg, T, gpu_gib, **kw)})
         result = rows
         print(json.dumps(rows, indent=2))
         print(f"\nGiB per GPU ({strategy}, world size {world_size}, {precision}); fits: the largest micro_batch "
@@ -142,6 +139,5 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
                   f"| {r['optimizer']:.1f} | {r['activations']:.1f} | {r['logits']:.2f} | {r['mesa_cg']:.2f} "
                   f"| {r['peak']:.1f} | {fit} |")
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(json_out, result)
     return result

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from lm.accounting.flops import param_count
-from lm.accounting.memory import GIB, largest_micro_batch
+from lm.accounting.memory import micro_batch_fits
 from lm.accounting.sizing import match_params_by_mlp
 from lm.mixers import MIXERS
 from lm.model import LMConfig
@@ -59,18 +59,15 @@ def memory_fits(path: Path) -> dict[str, int]:
     """The largest micro_batch of this config at its seq_len on one GPU of each size, without and with activation
     checkpointing (bf16-mixed, one process)."""
     raw = yaml.safe_load(path.read_text())
-    cfg, seq_len = LMConfig(**raw["model"]), raw["data"]["seq_len"]
-    return {f"{gib}{'_ckpt' if ckpt else ''}":
-            largest_micro_batch(cfg, seq_len, gib * GIB, activation_checkpointing=ckpt)
-            for gib in GPU_GIB for ckpt in (False, True)}
+    return micro_batch_fits(LMConfig(**raw["model"]), raw["data"]["seq_len"], GPU_GIB)
 
 
 def set_micro_batch(path: Path) -> int:
     """micro_batch := the largest power of two that fits 80 GB (1 if none does), with the fits in a comment."""
     fits = memory_fits(path)
-    micro_batch = 1 << max(0, fits["80"].bit_length() - 1)
-    note = (f"fits {fits['80']} at 80 GB, {fits['141']} at 141 GB; with activation checkpointing {fits['80_ckpt']} "
-            f"and {fits['141_ckpt']}")
+    micro_batch = 1 << max(0, fits["fits_80gib"].bit_length() - 1)
+    note = (f"fits {fits['fits_80gib']} at 80 GB, {fits['fits_141gib']} at 141 GB; with activation checkpointing "
+            f"{fits['fits_80gib_ckpt']} and {fits['fits_141gib_ckpt']}")
     text = re.sub(r"(?m)^  micro_batch: .*$", f"  micro_batch: {micro_batch}   # {note} (lm bench plan-memory)",
                   path.read_text())
     path.write_text(text)

@@ -148,6 +148,14 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
     return MemoryPlan(weights, gradients, optimizer, activations, logits, mesa_cg, transient, autocast_cache, peak)
 
 
+def micro_batch_fits(cfg: LMConfig, seq_len: int, gpu_gib, **kwargs) -> dict[str, int]:
+    """The largest micro_batch on one GPU of each size (GiB), without and with activation checkpointing:
+    {"fits_80gib": ..., "fits_80gib_ckpt": ..., ...}."""
+    return {f"fits_{gib:g}gib" + ("_ckpt" if ckpt else ""):
+            largest_micro_batch(cfg, seq_len, gib * GIB, activation_checkpointing=ckpt, **kwargs)
+            for gib in gpu_gib for ckpt in (False, True)}
+
+
 def largest_micro_batch(cfg: LMConfig, seq_len: int, gpu_bytes: float, limit: int = 1024, **kwargs) -> int:
     """The largest micro_batch whose planned peak fits in gpu_bytes (0: not even one sequence)."""
     fits = lambda b: plan_memory(cfg, b, seq_len, **kwargs).peak <= gpu_bytes  # noqa: E731
