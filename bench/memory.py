@@ -1,13 +1,13 @@
 """Peak memory of a training step vs sequence length, per mixer (`lm bench memory`).
 
 Each (mixer, T) trains one step of the same small model (every layer that mixer) on random tokens. On CUDA the
-figure is the growth of torch's peak allocated memory during that step; on CPU it is the growth of the process's
-peak RSS, each (mixer, T) in a fresh process so that an earlier, longer run does not hide the peak. Both count what
-grows with T: activations kept for the backward pass, the mixers' chunk states, gradients of the activations.
-Weights, gradients and AdamW's moments exist before the measured step (a short step runs first).
+figure is the growth of torch's peak allocated memory during that step; on CPU it is the peak of the bytes torch's
+CPU allocator has handed out and not yet taken back during that step (tracked_peak_bytes: every allocation and free,
+as torch's profiler records them), not RSS, which also holds what malloc keeps for reuse, code pages and thread
+stacks. Both count what grows with T: activations kept for the backward pass, the mixers' chunk states, gradients of
+the activations. Weights, gradients and AdamW's moments exist before the measured step (a short step runs first).
 """
 
-import ctypes
 import gc
 import json
 import multiprocessing
@@ -15,6 +15,8 @@ import resource
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from bench.train_speed import device_name
 from lm.errors import UserError
@@ -28,21 +30,45 @@ def rss_kib() -> int:
         return int(f.read().split()[1]) * resource.getpagesize() // 1024
 
 
-def return_freed_memory_at_once():
-    """Make glibc give every allocation over 64 KiB its own mapping, unmapped when freed, so that RSS follows the live
-    tensors rather than what malloc keeps for reuse (its threshold otherwise grows as tensors are freed). Elsewhere
-    than glibc this does nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD (setting it also stops glibc's own adjustment)
-    libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
+CPU_DEVICES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+
+
+def tracked_peak_bytes(fn) -> int:
+    """How far the bytes that torch's CPU allocator has handed out (and not taken back) rise above their level at the
+    start while fn() runs: torch's profiler records every allocation and free ("[memory]" events, +bytes and -bytes);
+    their running sum in time order, at its maximum. Exact for what fn() allocates, whatever the process did before.
+    A tensor allocated before fn() and freed inside it is not subtracted (the profiler never saw its size), so such a
+    free can only raise the figure. Memory outside torch's allocator (malloc by libraries, code) is not counted."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() in CPU_DEVICES]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):  # stable: an allocation and its free keep their order
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def allocated_peak_mib(fn) -> float:
+    """How far the memory that torch has allocated peaks above its current level while fn() runs, in MiB (CUDA:
+    torch's peak allocated memory; CPU: tracked_peak_bytes)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return tracked_peak_bytes(fn) / 2**20
 
 
 def peak_growth_mib(fn) -> float:
     """How far peak memory rises above the current level while fn() runs, in MiB (CUDA: allocated by torch;
-    CPU: RSS, meaningful only in a process whose peak so far is below the current level plus the growth)."""
+    CPU: RSS, meaningful only in a process whose peak so far is below the current level plus the growth). Only
+    bench/mixer_speed.py measures this way still; `lm bench memory` and `lm bench plan-memory --check` take
+    allocated_peak_mib."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -90,8 +116,8 @@ def step_peak_mib(cfg: LMConfig, T: int, batch: int, loss_name: str = "chunked")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(min(T, 64))  # AdamW's moments, autograd's threads, library buffers: not memory that grows with T
-    return peak_growth_mib(lambda: step(T))
+    step(min(T, 64))  # AdamW's moments exist before the measured step: they do not grow with T
+    return allocated_peak_mib(lambda: step(T))
 
 
 def bench_memory(mixers: list[str] | None = None,
@@ -124,14 +150,13 @@ def bench_memory(mixers: list[str] | None = None,
     shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim, vocab_size=vocab_size,
                  max_seq_len=max(lengths))
     rows = []
-    with fresh_processes() as pool:
-        for mixer in mixers:
-            cfg = LMConfig(mixer=mixer, **shape)
-            for loss in losses:
-                for T in lengths:
-                    mib = pool.apply(step_peak_mib, (cfg, T, batch, loss))
-                    rows.append({"mixer": mixer, "loss": loss, "T": T, "peak_mib": mib,
-                                 "mib_per_1k_tokens": mib / (batch * T / 1000)})
+    for mixer in mixers:
+        cfg = LMConfig(mixer=mixer, **shape)
+        for loss in losses:
+            for T in lengths:
+                mib = step_peak_mib(cfg, T, batch, loss)
+                rows.append({"mixer": mixer, "loss": loss, "T": T, "peak_mib": mib,
+                             "mib_per_1k_tokens": mib / (batch * T / 1000)})
     first = {}
     for r in rows:  # growth from the shortest length: T-fold for linear memory, T^2-fold for quadratic
         base = first.setdefault((r["mixer"], r["loss"]), r)
@@ -139,7 +164,7 @@ def bench_memory(mixers: list[str] | None = None,
         r["length_ratio"] = r["T"] / base["T"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "measure": "torch peak allocated" if device.type == "cuda" else "peak RSS growth", **shape,
+              "measure": "torch peak allocated" if device.type == "cuda" else "tracked CPU allocations (peak)", **shape,
               "batch": batch, "rows": rows}
     print(json.dumps(result, indent=2))
     print("\n| mixer | loss | T | peak MiB | MiB / 1k tokens | growth vs shortest T (length ratio) |")

@@ -1,5 +1,6 @@
 """`lm bench plan-memory`: the per-GPU memory plan of run configs (lm.accounting.memory), the largest micro_batch that
-fits each GPU size, with and without activation checkpointing; `--check` holds the plan to measured CPU peaks.
+fits each GPU size, with and without activation checkpointing; `--check` holds the plan to measured CPU peaks (the
+bytes torch's CPU allocator hands out, bench.memory.tracked_peak_bytes).
 
     lm bench plan-memory --configs '[configs/attention/1b.yaml, configs/mesa/1b.yaml]' --gpu_gib '[80, 141]'
     lm bench plan-memory --check true
@@ -8,13 +9,11 @@ fits each GPU size, with and without activation checkpointing; `--check` holds t
 import gc
 import glob
 import json
-import resource
-from dataclasses import replace
 
 import torch
 import yaml
 
-from bench.memory import fresh_processes, return_freed_memory_at_once, rss_kib
+from bench.memory import tracked_peak_bytes
 from bench.train_speed import write_json
 from lm.accounting.memory import STRATEGIES, micro_batch_fits, plan_memory
 from lm.errors import UserError
@@ -28,19 +27,18 @@ MIB = 2**20
 CHECK_SIZES = [(256, 2, 8192, 512, 2), (384, 4, 16384, 1024, 2), (512, 4, 32768, 2048, 2)]
 
 
-def measured_peak_bytes(cfg: LMConfig, micro_batch: int, seq_len: int) -> float:
-    """Peak RSS growth of building the model and AdamW and running two fp32 training steps, in a fresh process.
-
-    What the process loads once (code pages, thread pools, lazy imports) would count as tensors, so one short step
-    of the same model runs first, and freed tensors leave RSS at once (return_freed_memory_at_once)."""
-    return_freed_memory_at_once()
-    warm = replace(cfg, vocab_size=64)
-    train_steps(LanguageModel(warm), torch.randint(0, 64, (1, 65)), steps=1)
+def measured_peak_bytes(cfg: LMConfig, micro_batch: int, seq_len: int) -> int:
+    """Peak of the tensor memory that building the model and AdamW and running two fp32 training steps on the CPU
+    holds at once: the bytes torch's CPU allocator hands out and takes back, tracked (bench.memory.tracked_peak_bytes).
+    Everything is allocated inside the measured window, so the figure does not depend on what the process did
+    before; what is not a tensor (code, thread stacks, malloc's free lists) is not counted, as the plan does not."""
     gc.collect()
     torch.manual_seed(0)
-    base = rss_kib()
-    train_steps(LanguageModel(cfg), torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1)), steps=2)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+
+    def build_and_train():
+        train_steps(LanguageModel(cfg), torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1)), steps=2)
+
+    return tracked_peak_bytes(build_and_train)
 
 
 def train_steps(model: LanguageModel, windows: torch.Tensor, steps: int):
@@ -53,16 +51,15 @@ def train_steps(model: LanguageModel, windows: torch.Tensor, steps: int):
 
 def check_against_cpu(mixers: list[str]) -> list[dict]:
     rows = []
-    with fresh_processes() as pool:
-        for d, layers, vocab, T, b in CHECK_SIZES:
-            for mixer in mixers:
-                cfg = LMConfig(mixer=mixer, d_model=d, n_layers=layers, n_heads=d // 64, head_dim=64,
-                               vocab_size=vocab, max_seq_len=T)
-                measured = pool.apply(measured_peak_bytes, (cfg, b, T))
-                planned = plan_memory(cfg, b, T, precision="fp32").peak
-                rows.append({"mixer": mixer, "d_model": d, "n_layers": layers, "vocab_size": vocab, "seq_len": T,
-                             "micro_batch": b, "planned_mib": planned / MIB, "measured_mib": measured / MIB,
-                             "planned_over_measured": planned / measured})
+    for d, layers, vocab, T, b in CHECK_SIZES:
+        for mixer in mixers:
+            cfg = LMConfig(mixer=mixer, d_model=d, n_layers=layers, n_heads=d // 64, head_dim=64, vocab_size=vocab,
+                           max_seq_len=T)
+            measured = measured_peak_bytes(cfg, b, T)
+            planned = plan_memory(cfg, b, T, precision="fp32").peak
+            rows.append({"mixer": mixer, "d_model": d, "n_layers": layers, "vocab_size": vocab, "seq_len": T,
+                         "micro_batch": b, "planned_mib": planned / MIB, "measured_mib": measured / MIB,
+                         "planned_over_measured": planned / measured})
     print(json.dumps(rows, indent=2))
     print("\n| mixer | d_model | layers | vocab | T | micro_batch | planned MiB | measured MiB | planned / measured |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -100,7 +97,8 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
         strategy: single (one GPU), ddp, fsdp (FSDP2), zero2 or zero3 (DeepSpeed).
         world_size: GPUs the strategy shards over.
         precision: bf16-mixed (as on a GPU) or fp32.
-        check: Instead, hold the plan to measured fp32 CPU peaks of whole training steps at three small sizes.
+        check: Instead, hold the plan to measured fp32 CPU peaks of whole training steps at three small sizes (the
+            tensor memory torch's CPU allocator hands out, tracked).
         check_mixers: The mixers of the check (default: every mixer).
         json_out: Also write the result as JSON to this path.
     """

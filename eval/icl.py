@@ -39,6 +39,7 @@ from torch import nn
 
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.protocol import at_length
 from lm.model import Block, LMConfig
 
 Token = Literal["paired", "shifted"]
@@ -204,17 +205,18 @@ def excess(mse: list[float], curve: torch.Tensor, start: int) -> tuple[float, fl
 
 # --- the command -----------------------------------------------------------------------------------------------------
 
-def model_jobs(mixers: list[str], blocks: list[str], layers: list[int], seeds: list[int],
+def model_jobs(mixers: list[str], blocks: list[str], layers: list[int], seeds: list[int], length: int,
                mixer_options: dict[str, dict] | None = None) -> list[Job]:
     """Every mixer and probe variant in every block, depth and seed; the minimal block's options are the mixer's
-    `minimal_options`, then the variant's, then `mixer_options`' for it."""
+    `minimal_options`, then the variant's, then `mixer_options`' for it, over its `length_options` at the task's
+    length."""
     jobs = []
     for name in mixers:
         cls = MIXERS[name]
         for label, variant in {name: {}, **cls.probe_variants}.items():
             for block in blocks:
-                options = {**(cls.minimal_options if block == "minimal" else {}), **variant,
-                           **(mixer_options or {}).get(name, {})}
+                options = at_length(name, {**(cls.minimal_options if block == "minimal" else {}), **variant,
+                                           **(mixer_options or {}).get(name, {})}, length)
                 jobs += [Job(label, name, options, block, n, seed) for n in layers for seed in seeds]
     return jobs
 
@@ -238,7 +240,8 @@ def check_args(mixers, blocks, layers, seeds, mixer_options, task: RegressionTas
                         f"at least batch")
     if Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"--out {out} is a file, not a directory")
-    for job in model_jobs(mixers, blocks, [1], seeds[:1], mixer_options):  # LMConfig checks a mixer's options
+    # LMConfig checks a mixer's options
+    for job in model_jobs(mixers, blocks, [1], seeds[:1], task.length, mixer_options):
         LMConfig(vocab_size=1, d_model=d_model, n_layers=1, n_heads=n_heads, head_dim=head_dim, mixer=job.mixer,
                  mixer_options={job.mixer: job.options})
 
@@ -295,7 +298,7 @@ def icl(mixers: list[str] | None = None, blocks: list[BlockKind] = ["minimal", "
     sizes = {"d_model": d_model, "n_heads": n_heads, "head_dim": head_dim, "steps": steps, "batch": batch,
              "eval_sequences": eval_sequences, "processes": processes}
     check_args(mixers, blocks, layers, seeds, mixer_options, task, d_model, n_heads, head_dim, sizes, lr, out)
-    jobs = model_jobs(mixers, blocks, layers, seeds, mixer_options)
+    jobs = model_jobs(mixers, blocks, layers, seeds, task.length, mixer_options)
     start = time.perf_counter()
     rows = run_jobs(jobs, processes, task=task, d_model=d_model, n_heads=n_heads, head_dim=head_dim, steps=steps,
                     batch=batch, lr=lr, eval_sequences=eval_sequences)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.protocol import at_length
 from lm.model import LanguageModel, LMConfig
 
 
@@ -128,7 +129,7 @@ def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_lay
 
 
 def mqar_table(mixers: list[str] | None = None,
-               vocab: int = 32, pairs: int = 4, steps: int | None = None, batch: int = 64, lr: float = 3e-3,
+               vocab: int = 32, pairs: int = 4, steps: int | None = None, batch: int = 64, lr: float | None = None,
                d_model: int = 64, n_heads: int = 2, head_dim: int = 32, seed: int = 0,
                mixer_options: dict[str, dict] | None = None, json_out: str | None = None) -> list[dict]:
     """Train a 2-layer model of each mixer on MQAR and print their accuracies side by side.
@@ -139,7 +140,7 @@ def mqar_table(mixers: list[str] | None = None,
         pairs: Key-value pairs per sequence (each is queried once).
         steps: Training steps per model (default: each mixer's `mqar_steps`).
         batch: Sequences per step (fresh ones every step).
-        lr: Peak learning rate (one-cycle schedule).
+        lr: Peak learning rate (one-cycle schedule; default: each mixer's `mqar_lr`, 3e-3 for most).
         d_model: Width.
         n_heads: Heads.
         head_dim: Key size per head.
@@ -154,7 +155,7 @@ def mqar_table(mixers: list[str] | None = None,
         raise UserError(f"unknown mixers {unknown}; known: {', '.join(MIXERS)}")
     if pairs < 1 or batch < 1 or (steps is not None and steps < 1):
         raise UserError(f"--pairs, --batch and --steps must be at least 1, got {pairs}, {batch} and {steps}")
-    if not lr > 0:
+    if lr is not None and not lr > 0:
         raise UserError(f"--lr must be positive, got {lr}")
     try:
         task = MQARTask(vocab=vocab, pairs=pairs)
@@ -162,14 +163,16 @@ def mqar_table(mixers: list[str] | None = None,
         raise UserError(f"--pairs {pairs}: {err}") from None
     if json_out is not None and (Path(json_out).is_dir() or not Path(json_out).resolve().parent.is_dir()):
         raise UserError(f"--json_out {json_out}: not a file in an existing folder")
-    options = {m: MIXERS[m].mqar_options for m in mixers} | (mixer_options or {})
+    options = {m: at_length(m, (mixer_options or {}).get(m, MIXERS[m].mqar_options), task.seq_len) for m in mixers}
     for m in mixers:  # the shape and options of every model, before the first one trains
         LMConfig(vocab_size=vocab, d_model=d_model, n_layers=2, n_heads=n_heads, head_dim=head_dim, mixer=m,
                  mixer_options={m: options.get(m) or {}}, max_seq_len=task.seq_len)
     rows = [train_mqar(m, task, d_model=d_model, n_heads=n_heads, head_dim=head_dim,
-                       steps=steps or MIXERS[m].mqar_steps, batch=batch, lr=lr, seed=seed, mixer_options=options.get(m))
+                       steps=steps or MIXERS[m].mqar_steps, batch=batch, lr=lr or MIXERS[m].mqar_lr, seed=seed,
+                       mixer_options=options.get(m))
             for m in mixers]
-    print(f"MQAR: vocab {vocab}, {pairs} pairs, length {task.seq_len}, 2 layers, d {d_model}, batch {batch}, lr {lr}")
+    print(f"MQAR: vocab {vocab}, {pairs} pairs, length {task.seq_len}, 2 layers, d {d_model}, batch {batch}, "
+          f"lr {lr or ', '.join(f'{m} {MIXERS[m].mqar_lr:g}' for m in mixers)}")
     print("| mixer | options | params | state floats | steps | accuracy | final loss | seconds |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from eval.mqar import MQARTask, mqar_batch, state_floats_per_layer
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.protocol import at_length
 from lm.model import LanguageModel, LMConfig
 
 # The tests' grid: tiny sizes, a second or so a cell. Batches of 16 rather than 8: scoring 2048 queries takes half
@@ -33,8 +34,9 @@ CSV_FIELDS = ["mixer", "options", "width", "pairs", "length", "vocab", "lr", "se
 def grid_cells(mixers: list[str], widths: list[int], pairs: list[int], lrs: list[float], seeds: list[int],
                vocab: int, length: int, steps: int, batch: int) -> list[dict]:
     """Every cell of the grid, in a fixed order (the SLURM array index is a position in this list)."""
-    return [{"name": f"{m}_d{w}_n{n}_lr{lr:g}_s{seed}", "mixer": m, "options": MIXERS[m].mqar_options, "width": w,
-             "pairs": n, "lr": lr, "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch}
+    return [{"name": f"{m}_d{w}_n{n}_lr{lr:g}_s{seed}", "mixer": m,
+             "options": at_length(m, MIXERS[m].mqar_options, length), "width": w, "pairs": n, "lr": lr,
+             "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch}
             for m, w, n, lr, seed in itertools.product(mixers, widths, pairs, lrs, seeds)]
 
 

@@ -234,3 +234,18 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(argv, expected, templa
     assert code == 2, (code, err)
     assert len(err) == 1 and err[0].startswith("lm ") and expected in err[0], err
     assert tree_state(work) == before
+
+
+def test_a_refused_resume_leaves_no_run_directory(template, tmp_path, monkeypatch, capsys):
+    """FSDP2 cannot continue a plain checkpoint: `lm train` refuses in one line, and the new run directory it was
+    given does not exist afterwards (nor anything else new): every check comes before the first write."""
+    work = tmp_path / "work"
+    shutil.copytree(template, work)
+    monkeypatch.chdir(work)
+    before = tree_state(work)
+    code = main([*TRAIN, "--resume", "run/checkpoints/step=00000000.ckpt", "--strategy.name", "fsdp",
+                 "--strategy.devices", "2", "--run_dir", "fresh"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot resume FSDP2" in err[0], (code, err)
+    assert not (work / "fresh").exists()
+    assert tree_state(work) == before

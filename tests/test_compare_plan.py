@@ -149,3 +149,20 @@ def test_cli_plans_and_rejects_a_bad_option_with_one_line(tmp_path):
     _, err = bad.communicate(timeout=120)
     assert bad.returncode == 2
     assert err.count("\n") == 1 and "unknown config key 'budjet'" in err
+
+
+def test_the_window_of_swa_is_half_the_planned_length_unless_the_base_sets_it(tmp_path):
+    """The MesaNet paper's SWA sees 1024 of 2048 tokens; planned at 128 tokens it sees 64 (a window of 1024 would make
+    it attention there, as it did in the demo). A window the base config gives is kept."""
+    def window(base: str, seq_len: int) -> int:
+        result = plan(archs="swa,attention", params=2e6, vocab_size=512, seq_len=seq_len, base=base, dry_run=True)
+        model = {r["arch"]: r["model"] for r in result["archs"]}["swa"]
+        return LanguageModel(LMConfig(**model)).blocks[0].mixer.window
+
+    demo = str(ROOT / "configs" / "demo.yaml")
+    assert (window(demo, 128), window(demo, 2048)) == (64, 1024)
+    base = tmp_path / "base.yaml"
+    raw = yaml.safe_load(Path(demo).read_text())
+    raw["model"]["mixer_options"] = {"swa": {"window": 16}}
+    base.write_text(yaml.safe_dump(raw))
+    assert window(str(base), 128) == 16

@@ -1,7 +1,9 @@
 """The Hugging Face format (lm/hf): every mixer and hybrid loads through AutoModelForCausalLM in a fresh process with
-the logits of LanguageModel, greedy `generate` is `LanguageModel.generate`, left padding changes no real token, the
-cache of a recurrent mixer stays the same size while an attention cache grows, and bad directories are one line."""
+the exported model's exact logits (its weights and whole config survive the export), greedy `generate` is the
+exported model's, left padding changes no real token, the cache of a recurrent mixer stays the same size while an
+attention cache grows, and bad directories are one line."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -11,16 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from configs.paper_sizes import HYBRIDS
+from data_prep.tokenizer import separator
 from lm.hf.cache import LMCache
 from lm.hf.export import save_hf
 from lm.hf.model import padding_resets
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 
-ARCHS = {**{name: None for name in MIXERS}, **HYBRIDS}  # name -> layer pattern
+ARCHS = {**{name: None for name in MIXERS}, **HYBRIDS, "custom": None}  # name -> layer pattern
 TEXTS = ["In the beginning God created the heaven and the earth.", "And God said"]
 
 
@@ -30,17 +35,40 @@ def tiny_config(arch: str, **options) -> LMConfig:
                     mixer=pattern.split(",")[0] if pattern else arch, layer_pattern=pattern, **options)
 
 
-def export_tiny(config: LMConfig, out: Path, tokenizer: Path) -> Path:
+def custom_config(separator: int) -> LMConfig:
+    """A hybrid with every LMConfig field away from its default (a field the export drops comes back as its default,
+    and then differs): an untied head, a strong soft cap, mixer options that change the function (rotary theta,
+    grouped-query heads, Mesa's CG steps and output gate), and resets at the tokenizer's separator."""
+    return LMConfig(vocab_size=512, d_model=32, n_layers=3, n_heads=2, head_dim=16, mixer="hawk",
+                    mixer_options={"attention": {"rope_theta": 500.0, "n_kv_heads": 1},
+                                   "mesa": {"cg_steps": 12, "output_gate": True}, "hawk": {"expand": 1.0}},
+                    layer_pattern="hawk,mesa,attention", mlp_ratio=2.5, tie_embeddings=False, logit_soft_cap=5.0,
+                    max_seq_len=48, norm_eps=1e-5, init_std=0.05, document_separator=separator)
+
+
+def tiny_model(config: LMConfig) -> LanguageModel:
     torch.manual_seed(0)
-    return save_hf(LanguageModel(config).state_dict(), config, out, tokenizer)
+    return LanguageModel(config).eval()
+
+
+def export_tiny(config: LMConfig, out: Path, tokenizer: Path) -> Path:
+    return save_hf(tiny_model(config).state_dict(), config, out, tokenizer)
 
 
 @pytest.fixture(scope="module")
-def exported(kjv_data, tmp_path_factory) -> dict[str, Path]:
-    """A randomly initialised tiny model of every mixer and hybrid, written with save_hf (what `lm export --format
-    hf` calls; test_harness.py exports a trained checkpoint through the command)."""
+def originals(kjv_data) -> dict[str, LanguageModel]:
+    """The in-memory models that `exported` writes: what every export must reproduce, bit for bit."""
+    _, sep = separator(Tokenizer.from_file(str(Path(kjv_data) / "tokenizer.json")))
+    return {arch: tiny_model(custom_config(sep) if arch == "custom" else tiny_config(arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def exported(originals, kjv_data, tmp_path_factory) -> dict[str, Path]:
+    """A randomly initialised tiny model of every mixer and hybrid, and the custom hybrid, written with save_hf (what
+    `lm export --format hf` calls; test_harness.py exports a trained checkpoint through the command)."""
     folder = tmp_path_factory.mktemp("hf")
-    return {arch: export_tiny(tiny_config(arch), folder / arch, Path(kjv_data) / "tokenizer.json") for arch in ARCHS}
+    return {arch: save_hf(model.state_dict(), model.cfg, folder / arch, Path(kjv_data) / "tokenizer.json")
+            for arch, model in originals.items()}
 
 
 FRESH_PROCESS = """
@@ -50,38 +78,76 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 for directory in sys.argv[1:]:
     model, tokenizer = AutoModelForCausalLM.from_pretrained(directory), AutoTokenizer.from_pretrained(directory)
     ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    two = torch.cat([ids, ids], dim=1)  # two documents in one row: the separator starts the second one too
     with torch.no_grad():
-        torch.save({"ids": ids, "logits": model(ids).logits}, directory + "/hf.pt")
+        torch.save({"ids": ids, "logits": model(ids).logits, "two": model(two).logits}, directory + "/hf.pt")
     print(type(model).__name__, model.training)
 """
 
 
-def test_every_mixer_and_hybrid_loads_through_the_auto_classes_with_languagemodels_logits(exported):
+def test_every_mixer_and_hybrid_loads_through_the_auto_classes_with_the_original_models_logits(originals, exported):
     """In a fresh process that imports nothing of lm: the classes come from the start-up hook that installing lm
-    adds. The logits equal LanguageModel's on the same weights (loaded here by LanguageModel.from_pretrained)."""
+    adds. The logits are those of the model that was exported (the in-memory original, not a reload of the export),
+    exactly: float32 weights go through the export bit for bit, and the model is built from the same config."""
     code = FRESH_PROCESS.replace("TEXT", repr(TEXTS[0]))
     run = subprocess.run([sys.executable, "-c", code, *map(str, exported.values())], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split("\n")[:len(exported)] == ["LMForCausalLM False"] * len(exported)
     for arch, directory in exported.items():
         saved = torch.load(directory / "hf.pt")
-        model = LanguageModel.from_pretrained(str(directory))
         sep = AutoTokenizer.from_pretrained(directory).bos_token_id
         assert saved["ids"][0, 0].item() == sep  # the tokenizer starts every text with the separator, as lm does
         with torch.no_grad():
-            expected = model(saved["ids"])[0]
-        torch.testing.assert_close(saved["logits"], expected, rtol=0, atol=1e-5, msg=arch)
+            expected = originals[arch](saved["ids"])[0]
+            two = originals[arch](torch.cat([saved["ids"], saved["ids"]], dim=1))[0]
+        torch.testing.assert_close(saved["logits"], expected, rtol=0, atol=0, msg=arch)
+        torch.testing.assert_close(saved["two"], two, rtol=0, atol=0, msg=arch)
+    # With resets at the separator, the second document's logits are the first's; without, they are not.
+    custom = torch.load(exported["custom"] / "hf.pt")
+    n = custom["ids"].shape[1]
+    torch.testing.assert_close(custom["two"][:, n:], custom["logits"], rtol=0, atol=1e-5)
+    plain = torch.load(exported["hawk_mesa"] / "hf.pt")
+    assert (plain["two"][:, n:] - plain["logits"]).abs().max() > 1e-3
+
+
+def test_the_export_holds_the_original_weights_and_every_config_field(originals, exported):
+    """model.safetensors holds every tensor of the original bit for bit, and config.json its whole LMConfig: the
+    custom config has every field away from its default, so a field the export drops (or the loader ignores) comes
+    back different. AutoModelForCausalLM builds its LanguageModel from that config, with those weights."""
+    from transformers import AutoConfig
+
+    custom = originals["custom"].cfg
+    for field in dataclasses.fields(LMConfig):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        assert getattr(custom, field.name) != default, field.name
+    for arch, model in originals.items():
+        original = model.state_dict()
+        weights = load_file(str(exported[arch] / "model.safetensors"))
+        assert sorted(weights) == sorted("model." + name for name in original), arch
+        for name, tensor in original.items():
+            assert tensor.dtype == weights["model." + name].dtype == torch.float32, (arch, name)
+            assert torch.equal(weights["model." + name], tensor), (arch, name)
+        config = json.loads((exported[arch] / "config.json").read_text())
+        assert config["lm"] == dataclasses.asdict(model.cfg), arch
+        assert LMConfig(**AutoConfig.from_pretrained(exported[arch]).lm) == model.cfg, arch
+    loaded = AutoModelForCausalLM.from_pretrained(exported["custom"])
+    assert loaded.model.cfg == custom and loaded.model.head is not None
+    theirs = originals["custom"].state_dict()
+    assert loaded.model.state_dict().keys() == theirs.keys()
+    for name, ours in loaded.model.state_dict().items():
+        assert torch.equal(ours, theirs[name]), name
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_generate_is_languagemodels_generate(exported, arch):
-    """20 tokens at temperature 0: the same tokens as LanguageModel.generate, and at every step the logits that
-    LanguageModel gives the whole sequence at once (so the HF cache carries the whole state, not just the token)."""
+def test_greedy_generate_is_the_original_models_generate(originals, exported, arch):
+    """20 tokens at temperature 0: the same tokens as the exported model's LanguageModel.generate, and at every step
+    the logits that it gives the whole sequence at once (so the HF cache carries the whole state, not just the
+    token)."""
     model = AutoModelForCausalLM.from_pretrained(exported[arch])
     tokenizer = AutoTokenizer.from_pretrained(exported[arch])
     ids = tokenizer(TEXTS[1], return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    reference = LanguageModel.from_pretrained(str(exported[arch]))
+    reference = originals[arch]
     expected = reference.generate(ids, 20, temperature=0, eos_id=tokenizer.eos_token_id)
     assert out.sequences.tolist() == expected.tolist()
     assert out.sequences.shape[1] == ids.shape[1] + 20  # no early separator: all 20 steps were compared

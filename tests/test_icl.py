@@ -12,6 +12,7 @@ from eval.icl import (
     gd_predictions,
     gd_step_size,
     icl,
+    model_jobs,
     reference_curves,
     regression_batch,
     ridge_predictions,
@@ -126,3 +127,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, 
     stderr = capsys.readouterr().err
     assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "reports").exists()
+
+
+def test_swa_sees_half_the_regression_sequence():
+    """A window of 1024 would cover the whole task and make SWA attention; the probes give it half the length."""
+    jobs = model_jobs(["swa"], ["minimal", "lm"], [1], [0], length=20)
+    assert [job.options["window"] for job in jobs] == [10, 10]
+    assert model_jobs(["swa"], ["lm"], [1], [0], 20, {"swa": {"window": 3}})[0].options["window"] == 3

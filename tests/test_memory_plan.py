@@ -1,12 +1,12 @@
 """lm.accounting.memory, the per-GPU memory plan: its parts by strategy, the micro_batch search, and the whole plan
-against a measured CPU peak (as `lm bench plan-memory --check` does at three sizes)."""
+against a measured CPU peak (as `lm bench plan-memory --check` does at three sizes): the tensor bytes torch's CPU
+allocator hands out, tracked, not RSS, so that the figure does not move with malloc or the machine."""
 
 import json
 
 import pytest
 import yaml
 
-from bench.memory import fresh_processes
 from bench.plan_memory import bench_plan_memory, measured_peak_bytes
 from lm.accounting.flops import param_count
 from lm.accounting.memory import GIB, largest_micro_batch, plan_memory, state_bytes
@@ -35,14 +35,16 @@ def test_the_largest_micro_batch_is_the_edge_of_fitting():
     assert plan_memory(TINY, 1, 512).weights == 4 * param_count(TINY)
 
 
-def test_the_plan_is_within_15_percent_of_a_measured_cpu_peak():
+def test_the_plan_is_within_10_percent_of_a_measured_cpu_peak():
+    """At a size where activations are over 70% of the plan. The measure is exact (tracked tensor bytes, the same on
+    every run): planned / measured is 1.044 here (491 / 470 MiB); with the activations in the peak scaled by 0.75 it
+    is 0.851, which fails."""
     cfg = LMConfig(vocab_size=1024, d_model=256, n_layers=8, n_heads=4, head_dim=64, max_seq_len=2048)
-    with fresh_processes() as pool:
-        measured = pool.apply(measured_peak_bytes, (cfg, 1, 2048))
+    measured = measured_peak_bytes(cfg, 1, 2048)
     plan = plan_memory(cfg, 1, 2048, precision="fp32")
     assert plan.activations > 0.7 * plan.peak  # what the plan must get right here
     planned = plan.peak
-    assert abs(planned / measured - 1) < 0.15, (planned / 2**20, measured / 2**20)
+    assert abs(planned / measured - 1) < 0.10, (planned / 2**20, measured / 2**20)
 
 
 def test_the_command_fits_micro_batches_to_gpus(tmp_path, capsys):

@@ -1,6 +1,8 @@
 """Each mixer's parameter-count formula (its docstring) equals the built module, with default and other
-options; decay parameters are excluded from weight decay; the recurrent mixers run in bf16."""
+options; decay parameters are excluded from weight decay; in bf16 the mixers are as close to float64 as bf16
+allows."""
 
+import copy
 import math
 
 import pytest
@@ -45,15 +47,39 @@ def test_decay_and_gate_parameters_are_not_decayed(name):
             assert id(p) in groups["decay"], pname
 
 
+def output_and_input_grad(mixer, x, proj):
+    """The mixer's output and the gradient w.r.t. its input of a fixed projection of the output, in float64."""
+    x = x.detach().clone().requires_grad_()
+    y, _ = mixer(x)
+    (y.to(proj.dtype) * proj).sum().backward()
+    return y, y.detach().double(), x.grad.double()
+
+
+def token_errors(a, b):
+    """Per-token error ||a_t - b_t|| over the RMS token norm of b: large only where a token is really off."""
+    return (a - b).norm(dim=-1) / b.norm(dim=-1).square().mean().sqrt()
+
+
 @pytest.mark.parametrize("name", sorted(MIXERS))
-def test_bf16_forward_and_backward_are_finite(name):
+def test_bf16_forward_and_backward_match_float64(name):
+    """A bf16 mixer against the float64 mixer of the same (bf16-rounded) weights, same input and projection: the
+    difference is bf16 rounding alone. Measured on 8 seeds: output within 1.2e-2 (relative, whole tensor); input
+    gradient within 2.5e-2 on 90% of the tokens, but up to 0.11 on the whole tensor, from a few tokens whose gradient
+    is ill-conditioned (a nearly zero key normalised: Mesa's and GLA's first tokens). A wrong result (heads swapped, a
+    wrong scale) is off by O(1); Mesa's and mLSTM's gate and state arithmetic done in bf16 rather than float32 (every
+    `compute_dtype` returning the input dtype) fails the gradient's, respectively the output's, bound here."""
     torch.manual_seed(0)
     mixer = MIXERS[name](32, 2, 16, 0).to(torch.bfloat16)
-    x = torch.randn(2, 70, 32, dtype=torch.bfloat16, requires_grad=True)
-    y, _ = mixer(x)
-    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
-    y.float().square().mean().backward()
-    assert torch.isfinite(x.grad).all()
+    exact = copy.deepcopy(mixer).double()
+    x = torch.randn(2, 70, 32).bfloat16()
+    proj = torch.randn(2, 70, 32).bfloat16()
+    y, out, grad = output_and_input_grad(mixer, x, proj.float())
+    _, out_exact, grad_exact = output_and_input_grad(exact, x.double(), proj.double())
+    assert y.dtype == torch.bfloat16 and torch.isfinite(out).all() and torch.isfinite(grad).all()
+    relative = lambda a, b: ((a - b).norm() / b.norm()).item()
+    assert relative(out, out_exact) < 0.025
+    assert relative(grad, grad_exact) < 0.25
+    assert token_errors(grad, grad_exact).quantile(0.9) < 0.04
 
 
 @pytest.mark.parametrize("init, memories", [("narrow", [1 + math.exp(3), 1 + math.exp(6)]), ("zero", [2.0, 2.0]),

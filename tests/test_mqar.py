@@ -44,7 +44,7 @@ def learned() -> dict[str, dict]:
     order = sorted(LEARNERS, key=lambda m: -TEST_STEPS[m])
     with ProcessPoolExecutor(2, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(1,)) as pool:
-        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_STEPS[m], batch=64, lr=3e-3,
+        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_STEPS[m], batch=64, lr=MIXERS[m].mqar_lr,
                                   mixer_options=MIXERS[m].mqar_options) for m in order}
         return {m: future.result() for m, future in futures.items()}
 
@@ -52,3 +52,11 @@ def learned() -> dict[str, dict]:
 @pytest.mark.parametrize("mixer", LEARNERS)
 def test_each_mixer_learns_mqar(mixer, learned):
     assert learned[mixer]["accuracy"] > 0.9, learned[mixer]
+
+
+def test_swa_sees_half_the_mqar_sequence():
+    """The grid's cells give SWA a window of half the task's length (a window of 1024 would make it attention)."""
+    from eval.mqar_grid import grid_cells
+
+    cells = grid_cells(["swa", "attention"], [32], [4], [1e-3], [0], vocab=64, length=64, steps=1, batch=1)
+    assert [cell["options"].get("window") for cell in cells] == [32, None]

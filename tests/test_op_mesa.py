@@ -331,7 +331,7 @@ def test_logged_residuals_are_the_true_residuals(form):
     assert_close(info["residual"], forward.mean().float(), 1e-5)
     assert_close(info["residual_max"], forward.max().float(), 1e-5)
     assert info["iterations"] == steps
-    if form == "chunkwise":  # the recurrent form backpropagates through its CG steps: no adjoint solve
+    if form == "chunkwise":  # the recurrent form (decoding) reports no adjoint statistics
         adjoint = relative_residuals(A, x["q"].grad, do)
         assert_close(info["adjoint_residual"], adjoint.mean().float(), 1e-5)
         assert_close(info["adjoint_residual_max"], adjoint.max().float(), 1e-5)
@@ -369,9 +369,12 @@ def clustered_inputs(T=256, Kd=16, h=2, seed=0):
 
 
 def output_and_grads(x, autocast: bool):
-    """mesa's output and the gradients of a fixed projection of it w.r.t. every input, in float64 for comparison."""
+    """mesa's output and the gradients of a fixed projection of it w.r.t. every input, in float64 for comparison.
+    The projection is drawn once in float64 and cast, so every dtype differentiates the same loss (randn from one
+    seed draws other numbers in float32 than in float64)."""
     x = {n: t.detach().clone().requires_grad_() for n, t in x.items()}
-    proj = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(3), dtype=x["v"].dtype)
+    proj = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    proj = proj.to(x["v"].dtype)
     exact = x["q"].dtype == torch.float64
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out, _ = mesa(*x.values(), cg_steps=64 if exact else 30, chunk_size=64)
@@ -384,16 +387,18 @@ def relative_error(a, b):
 
 
 def test_solve_is_float32_under_bf16_autocast():
-    """Lightning's bf16-mixed wraps the forward in autocast: the output and every input gradient must be as close to
-    the float64 exact solve as a plain float32 call is (within 4x). Measured: identical; with the matmuls left to
-    autocast, the output was 8e-2 away."""
+    """Lightning's bf16-mixed wraps the forward (and here the backward) in autocast: the output and every input
+    gradient must be as close to the float64 exact solve as a plain float32 call is (within 4x), and that is close:
+    the reference is the same loss. Measured: plain float32 within 1e-5 of the exact solve everywhere, autocast
+    identical to it; with the forward's matmuls left to autocast, the output was 8e-2 away; with the backward's
+    (autocast_off dropped from `_MesaFunction.backward`), the gradients 1.5e-2 (v) to 0.19 (q)."""
     x = clustered_inputs()
     exact = output_and_grads({n: t.double() for n, t in x.items()}, autocast=False)
     plain = output_and_grads(x, autocast=False)
     autocast = output_and_grads(x, autocast=True)
     for name, e, p, a in zip(["out", *x], exact, plain, autocast):
+        assert relative_error(p, e) < 1e-4, name
         assert relative_error(a, e) <= 4 * relative_error(p, e) + 1e-12, name
-    assert relative_error(plain[0], exact[0]) < 1e-4
 
 
 def clustered_key_model():

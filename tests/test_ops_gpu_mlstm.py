@@ -28,29 +28,47 @@ def make_inputs(T, dtype, seed=0, with_state=False):
     return x, state
 
 
-# On the lent H200 (2026-12-04, mlstm_kernels 2.0.6, Triton 3.6.0) the outputs agreed and dq did not: relative RMS
-# error 1.04 at T 64 in bf16 (docs/performance.md). Until that is understood "auto" never picks the kernel.
-@pytest.mark.xfail(reason="mlstm_kernels' dq differed from the torch code's on the H200", strict=False)
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 5e-2), (torch.float32, 2e-2)])  # kernel fp32 dots may be TF32
-@pytest.mark.parametrize("T, with_state", [(64, False), (256, False), (256, True)])
-def test_kernel_matches_torch(dtype, tol, T, with_state):
+CASES = pytest.mark.parametrize("T, with_state", [(64, False), (256, False), (256, True)])
+DTYPES = pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 5e-2), (torch.float32, 2e-2)])  # fp32 dots: TF32
+
+
+def kernel_and_torch(T, dtype, with_state):
+    """{backend: (output, final state, gradients of a random projection of the output w.r.t. q, k, v, i, f)}."""
     x, state = make_inputs(T, dtype, with_state=with_state)
     w = torch.randn(B, T, H, V, device="cuda")
     results = {}
     for backend in ("mlstm_kernels", "torch"):
         out, final = mlstm(*x.values(), initial_state=state, chunk_size=64, backend=backend)
         grads = torch.autograd.grad((out.float() * w).sum(), list(x.values()))
-        results[backend] = out, final, grads
-    (out, final, grads), (want, want_final, want_grads) = results["mlstm_kernels"], results["torch"]
+        results[backend] = out, final, dict(zip(x, grads))
+    return results["mlstm_kernels"], results["torch"]
+
+
+@DTYPES
+@CASES
+def test_kernel_output_states_and_gradients_but_dq_match_torch(dtype, tol, T, with_state):
+    (out, final, grads), (want, want_final, want_grads) = kernel_and_torch(T, dtype, with_state)
     assert out.dtype == dtype and all(s.dtype == torch.float32 for s in final)
     assert [tuple(s.shape) for s in final] == [(B, H, K, V), (B, H, K), (B, H)]
     assert err_ratio(out, want) < tol
     # The stabiliser m follows the same recursion in both, so the stabilised states compare directly.
     for i, (got, ref) in enumerate(zip(final, want_final)):
         assert err_ratio(got, ref) < tol, f"state {i}"
-    for name, got, ref in zip(x, grads, want_grads):
-        assert torch.isfinite(got).all(), name
-        assert err_ratio(got, ref) < tol, f"d{name}: {err_ratio(got, ref):.2e}"
+    for name in ("k", "v", "i_pre", "f_pre"):
+        assert torch.isfinite(grads[name]).all(), name
+        error = err_ratio(grads[name], want_grads[name])
+        assert error < tol, f"d{name}: {error:.2e}"
+
+
+# On the lent H200 (2026-12-04, mlstm_kernels 2.0.6, Triton 3.6.0) the kernel's dq was far from the torch code's
+# (relative RMS error 1.04 at T 64 in bf16; docs/performance.md), the rest agreeing. Until that is understood, "auto"
+# never picks the kernel; strict, so that a kernel whose dq agrees fails here and this mark is revisited.
+@pytest.mark.xfail(reason="mlstm_kernels' dq differed from the torch code's on the H200", strict=True)
+@DTYPES
+@CASES
+def test_kernel_dq_matches_torch(dtype, tol, T, with_state):
+    (_, _, grads), (_, _, want_grads) = kernel_and_torch(T, dtype, with_state)
+    assert err_ratio(grads["q"], want_grads["q"]) < tol, f"dq: {err_ratio(grads['q'], want_grads['q']):.2e}"
 
 
 def test_auto_dispatch():

@@ -6,8 +6,10 @@ import csv
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,21 +64,37 @@ def lm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "lm.cli", *args]
 
 
-def environment(slot: int = 0) -> dict:
-    # One thread per process: two processes share the two cores. Launches that run at once take different slots.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-            "MASTER_PORT": str(29500 + os.getpid() % 1000 + 1000 * slot)}
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
 
 
-def lm(*args: str, check: bool = True, slot: int = 0) -> subprocess.CompletedProcess:
-    result = subprocess.run(lm_command(*args), env=environment(slot), capture_output=True, text=True, timeout=600)
+def free_port() -> int:
+    """A port the OS says is free (bound to port 0 on 127.0.0.1, read, closed), never one this process handed out
+    before: launches that run at once must not meet."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with _ports_lock:  # launches start from a thread pool
+            if port not in _ports_given:
+                _ports_given.add(port)
+                return port
+
+
+def environment() -> dict:
+    # One thread per process: two processes share the two cores. Each launch gets a port of its own.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(free_port())}
+
+
+def lm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(lm_command(*args), env=environment(), capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"lm {' '.join(args)} -> {result.returncode}\n{result.stderr[-3000:]}")
     return result
 
 
-def train(config: Path, run_dir: Path, *flags: str, check: bool = True, slot: int = 0) -> subprocess.CompletedProcess:
-    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check, slot=slot)
+def train(config: Path, run_dir: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -109,9 +127,7 @@ def runs(kjv_data, tmp_path_factory) -> dict[str, Path]:
     config = base_config(tmp, kjv_data)
     launches = {"single": ONE_PROCESS, **STRATEGIES}
     with ThreadPoolExecutor(2) as pool:
-        slots = iter(range(len(launches)))  # a port each: two DDP launches at once must not meet
-        for future in [pool.submit(train, config, tmp / name, *flags, slot=next(slots))
-                       for name, flags in launches.items()]:
+        for future in [pool.submit(train, config, tmp / name, *flags) for name, flags in launches.items()]:
             future.result()
     return {"config": config, **{name: tmp / name for name in launches}}
 
@@ -122,16 +138,16 @@ def resumed(runs, tmp_path_factory) -> dict[str, tuple[Path, subprocess.Complete
     launch). Two launches at a time, as in `runs`; each test checks the launch it uses (`continued`)."""
     tmp = tmp_path_factory.mktemp("resumed")
 
-    def resume(name: str, slot: int) -> tuple[Path, subprocess.CompletedProcess]:
+    def resume(name: str) -> tuple[Path, subprocess.CompletedProcess]:
         source, flags = RESUMES[name]
         run_dir = tmp / name.replace(" ", "-")
         shutil.copytree(runs[source], run_dir)
         newest = run_dir / "checkpoints" / "step=00000004.ckpt"  # a file, or a directory of shards
         shutil.rmtree(newest) if newest.is_dir() else newest.unlink()
-        return run_dir, train(runs["config"], run_dir, *flags, check=False, slot=slot)
+        return run_dir, train(runs["config"], run_dir, *flags, check=False)
 
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(resume, name, slot) for slot, name in enumerate(RESUMES)}
+        futures = {name: pool.submit(resume, name) for name in RESUMES}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -256,7 +272,7 @@ def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data
     config = base_config(tmp_path, kjv_data, steps=steps, ckpt_every=5)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one stopped: both cores stay busy
-        uninterrupted = pool.submit(train, config, reference, *STRATEGIES["ddp"], slot=1)
+        uninterrupted = pool.submit(train, config, reference, *STRATEGIES["ddp"])
         process = subprocess.Popen(lm_command("train", "--config", str(config), "--run_dir", str(stopped),
                                               *STRATEGIES["ddp"]),
                                    env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,7 +14,7 @@ import torch
 
 from lm.cli import main
 from lm.config import parse_run_config
-from lm.training.checkpoint import newest_checkpoint
+from lm.training.checkpoint import newest_checkpoint, step_checkpoints
 from lm.training.train import train
 
 STEPS = 8
@@ -151,21 +151,18 @@ def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(straight, kjv
 
 
 def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
+    """SIGKILL after step 3 (LM_FAULTS sends it from inside, at exactly that step), a checkpoint every 2 steps: the
+    killed launch leaves the step-2 checkpoint as its newest, and the rerun resumes from exactly that one."""
     run_dir = tmp_path / "killed"
     config = config_file(tmp_path, kjv_data, run_dir, ckpt_every=2)
     cmd = [sys.executable, "-m", "lm.cli", "train", "--config", str(config)]
     env = {**os.environ, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while newest_checkpoint(run_dir / "checkpoints") is None and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = newest_checkpoint(run_dir / "checkpoints")
-    assert killed_at is not None and killed_at.name != "step=00000008.ckpt", "the run was not stopped early"
+    killed = subprocess.run(cmd, env={**env, "LM_FAULTS": "kill@step:3"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
+    assert [p.name for p in step_checkpoints(run_dir / "checkpoints")] == ["step=00000002.ckpt"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert_resumed_at(run_dir, int(killed_at.name[5:13]), straight, done.stderr)
+    assert_resumed_at(run_dir, 2, straight, done.stderr)
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", run_dir / "checkpoints/step=00000008.ckpt")
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 

@@ -102,6 +102,7 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
         eval_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
     """
     from lm.mixers import MIXERS
+    from lm.mixers.protocol import at_length
 
     start = time.perf_counter()
     mixers = list(MIXERS) if mixers is None else mixers
@@ -119,7 +120,9 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     base = base_config(data, vocab, seq_len, global_batch, eval_windows)
-    base["model"].update(d_model=d_model, n_layers=n_layers, n_heads=2, head_dim=d_model // 2)
+    base["model"].update(d_model=d_model, n_layers=n_layers, n_heads=2, head_dim=d_model // 2,
+                         mixer_options={m: at_length(m, {}, seq_len) for m in mixers
+                                        if MIXERS[m].length_options(seq_len)})
     config = out_dir / "base.yaml"
     config.write_text(yaml.safe_dump(base, sort_keys=False))
     threads = max(1, (os.cpu_count() or 1) // workers)

@@ -57,6 +57,7 @@ import yaml
 from lm.accounting.flops import param_count, train_flops_per_token
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.protocol import at_length
 from lm.model import LMConfig
 
 TOLERANCE = 0.02
@@ -324,7 +325,11 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         raise UserError(f"--out {out} is a file, not a directory")
     raw, run = load_base(base)
     seq_len = seq_len or run.data.seq_len
-    template = replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len)
+    given = run.model.mixer_options  # options that scale with the length (SWA's window) follow seq_len if unset
+    at_seq_len = {m: at_length(m, given.get(m, {}), seq_len) for arch in arch_list for m in arch.mixers
+                  if MIXERS[m].length_options(seq_len)}
+    template = replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len,
+                       mixer_options={**given, **at_seq_len})
     batch = sequences_per_step(run, global_batch)
     grid = lr_grid(lrs, arch_list, run.optim.lr)
     seeds = [0] if seeds is None else list(seeds)

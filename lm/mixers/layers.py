@@ -9,22 +9,29 @@ from torch import nn
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal 1-D convolution over time (width `size`, no bias) with an optional SiLU; size 0 is none at
-    all (the identity, no activation either: the seed papers' minimal block).
+    """Depthwise causal 1-D convolution over time (width `size`, with a bias if `bias`) with an optional SiLU; size 0
+    is none at all (the identity, no activation either: the seed papers' minimal block).
 
+    The weight starts as nn.Conv1d's (Kaiming uniform), or normal with `init_std` if given; the bias at zero.
     State: the last size - 1 inputs [B, size - 1, channels], so a sequence can be fed in pieces (None for size 0).
     With `reset` [B, T] bool, no output reaches back across a reset to an input of an earlier document (nor into the
-    state), so packed documents are convolved apart. Parameters: channels * size.
+    state), so packed documents are convolved apart; the bias is added once per output (it is no input).
+    Parameters: channels * size (+ channels with the bias).
     """
 
-    def __init__(self, channels: int, size: int = 4, activation: bool = True):
+    def __init__(self, channels: int, size: int = 4, activation: bool = True, bias: bool = False,
+                 init_std: float | None = None):
         super().__init__()
         if size < 0:
             raise ValueError(f"conv_size must be 0 (none) or more, got {size}")
         self.size, self.activation = size, activation
         self.weight = nn.Parameter(torch.empty(channels, 1, size)) if size else None
+        self.bias = nn.Parameter(torch.zeros(channels)) if size and bias else None
         if size:
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if init_std is None:
+                nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            else:
+                nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None, reset: torch.Tensor | None = None):
         if self.weight is None:
@@ -34,9 +41,10 @@ class ShortConv(nn.Module):
         padded = torch.cat([state, x], dim=1)  # [B, size - 1 + T, C]
         new_state = padded[:, padded.shape[1] - (self.size - 1):]
         if reset is None:
-            y = F.conv1d(padded.transpose(1, 2), self.weight, groups=self.weight.shape[0]).transpose(1, 2)
+            y = F.conv1d(padded.transpose(1, 2), self.weight, self.bias, groups=self.weight.shape[0]).transpose(1, 2)
         else:
             y, new_state = self._within_documents(padded, reset), self._state_after(new_state, reset)
+            y = y if self.bias is None else y + self.bias
         return (F.silu(y) if self.activation else y), new_state
 
     def _within_documents(self, padded: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:

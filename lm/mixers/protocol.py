@@ -37,6 +37,11 @@ def register(name: str):
     return add
 
 
+def at_length(name: str, options: dict, seq_len: int) -> dict:
+    """`options` of mixer `name`, with its `length_options` at seq_len wherever `options` leaves them unset."""
+    return {**MIXERS[name].length_options(seq_len), **options}
+
+
 class MixerOptionError(ValueError):
     """A mixer option that its Options dataclass does not have, or of the wrong type. The message is one line."""
 
@@ -94,6 +99,8 @@ class Mixer(nn.Module):
     """Training steps of `lm eval mqar`'s default task (each a minute or less on 2 CPU cores)."""
     mqar_options: dict = {}
     """Options other than the defaults for MQAR (and why, in a comment where it is set)."""
+    mqar_lr: float = 3e-3
+    """Peak learning rate of `lm eval mqar`'s default task."""
     demo_lr: float = 4e-3
     """Peak learning rate in `lm compare demo` (its grid is around it)."""
     bench_variants: dict[str, dict] = {}
@@ -126,6 +133,13 @@ class Mixer(nn.Module):
                 hint = hint or str(hints[key]).replace("typing.", "")
                 raise MixerOptionError(f"mixer {cls.name!r} option {key!r} must be {hint}, got {value!r}")
         return cls.Options(**options)
+
+    @classmethod
+    def length_options(cls, seq_len: int) -> dict:
+        """Options its paper sets in proportion to the training length: at another length, what a config that leaves
+        them unset gets in `lm compare plan` (and so the demo) and the probes (SWA: a window of half the sequence, the
+        MesaNet paper's 1024 of 2048; otherwise its window would cover a short sequence and make it attention)."""
+        return {}
 
     @classmethod
     def param_count(cls, d_model: int, n_heads: int, head_dim: int, **options) -> int:

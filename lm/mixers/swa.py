@@ -23,6 +23,10 @@ class SlidingWindowAttention(Attention):
         self.window = self.options.window
 
     @classmethod
+    def length_options(cls, seq_len: int) -> dict:
+        return {"window": max(1, seq_len // 2)}
+
+    @classmethod
     def mean_context(cls, seq_len: int, **options) -> float:
         """Keys per query averaged over the sequence: t for the first `window` queries, `window` after them."""
         w, T = cls.check_options(options).window, seq_len

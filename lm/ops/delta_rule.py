@@ -66,7 +66,8 @@ def delta_rule(
     else torch).
     """
     check_shapes(q, k, v, initial_state, reset=reset, beta=beta, log_alpha=log_alpha)
-    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule", gated=log_alpha is not None):
+    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule",
+                gated_kernel=None if log_alpha is None else "gated_delta_rule"):
         return fla_delta_rule(q, k, v, beta, log_alpha, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     return _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, reset, chunk_size)

@@ -12,7 +12,6 @@ conventions to fla's (checked against fla-core 0.6.0's source):
 """
 
 import functools
-import importlib.util
 import inspect
 import warnings
 
@@ -41,26 +40,39 @@ def fla_available() -> bool:
     return bool(import_kernels(load))
 
 
-@functools.cache
-def fla_refuses_gated_backward() -> bool:
-    """Whether fla refuses the backward of its gated chunk kernels here (chunk_simple_gla, chunk_gated_delta_rule): fla
-    0.6 does on Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results were wrong there (fla's issue #640), unless
-    tilelang is installed. Seen on the lent H200 (Triton 3.6.0, docs/performance.md)."""
+def fla_refuses_gated_backward(kernel: str) -> bool:
+    """Whether fla refuses the backward of its gated chunk kernel `kernel` here ("simple_gla": Mamba2's
+    linear_attention; "gated_delta_rule"). fla 0.6 does on Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results
+    were wrong there (fla's issue #640; seen on the lent H200, Triton 3.6.0, docs/performance.md), unless its TileLang
+    backend takes the backward instead. TileLang takes it only where it is installed, finds a usable nvcc and is
+    enabled, and never for simple_gla (fla's TileLang kernel declines its float32 states)."""
     try:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except ImportError:  # fla versions without the guard
         return False
-    refused = IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1
-    return bool(refused) and importlib.util.find_spec("tilelang") is None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return False
+    return kernel == "simple_gla" or not _tilelang_takes_gated_backward()
 
 
-def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated: bool = False) -> bool:
+@functools.cache
+def _tilelang_takes_gated_backward() -> bool:
+    """Whether fla's TileLang backend is installed, usable (tilelang and an nvcc) and enabled (FLA_TILELANG, on by
+    default exactly where Triton's gated backward is refused)."""
+    try:
+        from fla.ops.common.backends.tilelang import TileLangBackend
+    except ImportError:
+        return False
+    return bool(TileLangBackend.is_available() and TileLangBackend.is_enabled())
+
+
+def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: str | None = None) -> bool:
     """Resolve `backend` for `op`: True to call fla, False for the pure-PyTorch code.
 
     "torch" never uses fla; "fla" always does and raises if it cannot; "auto" uses fla only for CUDA tensors in
     bf16/fp16 when fla imports (float32/float64 inputs go to the exact torch code, which fla's delta-rule kernels
-    would reject anyway), and for a gated kernel (`gated`) that will be differentiated only where fla does not refuse
-    its backward (`fla_refuses_gated_backward`).
+    would reject anyway), and for a gated kernel (`gated_kernel`, fla's name for it) that will be differentiated only
+    where fla does not refuse its backward (`fla_refuses_gated_backward`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -78,9 +90,9 @@ def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated: bool = 
         return True
     if not (on_cuda and tensors[0].dtype in _FLA_DTYPES and fla_available()):
         return False
-    if gated and torch.is_grad_enabled() and fla_refuses_gated_backward():
-        warn_once(f"{op}: fla refuses its gated backward with this Triton on Hopper (fla issue #640); using the "
-                  "torch code. Triton >= 3.7.1 or tilelang restores fla.")
+    if gated_kernel and torch.is_grad_enabled() and fla_refuses_gated_backward(gated_kernel):
+        warn_once(f"{op}: fla refuses the backward of chunk_{gated_kernel} with this Triton on Hopper (fla issue "
+                  "#640); using the torch code. Triton >= 3.7.1 restores fla.")
         return False
     return True
 

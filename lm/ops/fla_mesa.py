@@ -10,10 +10,11 @@ Conventions, read from fla's source (fla/ops/mesa_net/chunk.py, chunk_cg_solver_
 - states: h_kk = H [B, H, K, K] and h_kv = G^T [B, H, K, V], float32; o_t = h_kv^T x_t = G_t x_t;
 - limits: q, k, v in one half-precision dtype (fla asserts against float32), V == K, K <= 128, chunk size 64 fixed,
   max_CG_iteration steps always (no tolerance, no iteration count reported).
-Its CG is not step-for-step ours: fla warm-starts from the diagonal of the state entering the chunk (an older version
-from zero) and damps alpha and beta by +1e-5 in their denominators, so at a small step count its output differs from
-the torch code by about the CG truncation error; both converge to the same solve. That is why mesa's backend="auto"
-does not pick fla.
+Its CG is not step-for-step ours: fla 0.6 starts every solve from x = 0 (older versions warm-started from the diagonal
+of the state entering the chunk; ours starts at q / diag(H_t + Lambda)), runs its CG matmuls in half precision, and
+damps alpha and beta by +1e-5 in their denominators, so at a small step count its output differs from the torch code
+by about the CG truncation error; both converge to the same solve. That is why mesa's backend="auto" does not pick
+fla.
 """
 
 import functools

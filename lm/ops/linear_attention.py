@@ -59,7 +59,8 @@ def linear_attention(
     """
     check_shapes(q, k, v, initial_state, per_key=("log_gamma",), reset=reset, log_gamma=log_gamma, beta=beta)
     per_key = log_gamma.dim() == 4
-    if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention", gated=not per_key):
+    if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention",
+               gated_kernel=None if per_key else "simple_gla"):
         return fla_linear_attention(q, k, v, log_gamma, beta, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     if per_key:

@@ -28,7 +28,8 @@ scalar surrogate
 with xb = x and eb = e held constant. G_t xb_t and H_t xb_t are linear_attention calls (their final states are G_T,
 H_T), so autograd through them gives those gradients; `_MesaFunction.backward` does exactly that. With a truncated
 solve (cg_steps < K, or cg_tol) this is the exact-solve gradient evaluated at the approximate x and e, not the
-derivative of the truncated iteration. (`mesa_recurrent`, for decoding, simply backpropagates through its CG steps.)
+derivative of the truncated iteration. `mesa_recurrent`, for decoding, differentiates its solve the same way
+(`_ImplicitSolve`): backpropagating through converged float32 CG steps divides by residuals near zero and gives NaN.
 
 Both forms solve in float32 (float64 for float64 inputs) whatever the input dtype, and with autocast off (under
 bf16-mixed it would recast every matvec to bf16), forward, adjoint and decoding alike. They return the output in the
@@ -140,8 +141,9 @@ def mesa_recurrent(
     return_info: bool = False,
 ):
     """Recurrent Mesa layer, for decoding (T=1 with a carried state): per step, update the materialised G, H of every
-    head and solve (H_t + diag(lam)) x = q_t with the same warm-started CG and stopping rule as `mesa`. Plain autograd
-    (through the CG steps). Same arguments and results as `mesa`."""
+    head and solve (H_t + diag(lam)) x = q_t with the same warm-started CG and stopping rule as `mesa`. The solve is
+    differentiated implicitly, as in `mesa` (`_ImplicitSolve`); the rest by plain autograd. Same arguments and results
+    as `mesa`."""
     _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset)
     in_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, log_gamma, beta, lam = (x.to(dtype) for x in (q, k, v, log_gamma, beta, lam))
@@ -158,8 +160,8 @@ def mesa_recurrent(
         x = q[:, t]
         if cg_steps > 0:
             matvec = lambda p, H=H: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p
-            diagonals.append(H.diagonal(dim1=-2, dim2=-1))
-            x, used = _cg(matvec, q[:, t], q[:, t] / (diagonals[-1] + lam), cg_steps, cg_tol)
+            diagonals.append(H.diagonal(dim1=-2, dim2=-1).detach())
+            x, used = _ImplicitSolve.solve(H, lam, q[:, t], cg_steps, cg_tol)
             if return_info:
                 iterations.append(used)
                 residuals.append(_true_residual(matvec, q[:, t], x))
@@ -218,6 +220,42 @@ def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None
             active = active & (rs_new > threshold)
         rs_old = rs_new
     return x, iterations
+
+
+class _ImplicitSolve(torch.autograd.Function):
+    """y = A^{-1} rhs by `_cg` for a constant A = H + diag(lam) [B, H, K, K]; the backward is the adjoint solve
+    A^{-1} dy (A is symmetric). `solve` builds x = A^{-1} q with the implicit gradient A^{-1}(dq - dA x) from it."""
+
+    @staticmethod
+    def forward(ctx, rhs, H, lam, steps, tol):
+        ctx.save_for_backward(H, lam)
+        ctx.steps, ctx.tol = steps, tol
+        return _ImplicitSolve.cg(H, lam, rhs, steps, tol)[0]
+
+    @staticmethod
+    @once_differentiable
+    @autocast_off()  # the engine runs a backward under the caller's autocast
+    def backward(ctx, grad):
+        H, lam = ctx.saved_tensors
+        return _ImplicitSolve.cg(H, lam, grad, ctx.steps, ctx.tol)[0], None, None, None, None
+
+    @staticmethod
+    def cg(H, lam, b, steps, tol):
+        matvec = lambda p: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p  # noqa: E731
+        return _cg(matvec, b, b / (H.diagonal(dim1=-2, dim2=-1) + lam), steps, tol)
+
+    @staticmethod
+    def solve(H, lam, q, steps, tol):
+        """(x, CG steps taken): x = A^{-1} q, solved without a graph; where a gradient is wanted, x carries that of y,
+        the solve of the residual q - A x against a constant A, dy = A^{-1}(dq - dA x), and not its value (which
+        would refine a truncated solve)."""
+        with torch.no_grad():
+            x, used = _ImplicitSolve.cg(H, lam, q, steps, tol)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (H, lam, q)):
+            residual = q - torch.einsum("bhkl,bhl->bhk", H, x) - lam * x
+            y = _ImplicitSolve.apply(residual, H.detach(), lam.detach(), steps, tol)
+            x = x + (y - y.detach())
+        return x, used
 
 
 def _true_residual(matvec, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -106,8 +107,10 @@ def _remove(path: Path) -> None:
 
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why the checkpoint at `path` cannot be used (None if it is whole): every file its manifest lists must be
-    there with the recorded size and sha256. A file without a manifest (written before lm kept them) must at least be
-    a readable torch zip; a directory without one is incomplete."""
+    there with the recorded size and sha256. A file without a manifest (written before lm kept them) must be a
+    readable torch zip whose every member matches the CRC-32 torch's writer recorded for it (torch.load itself does
+    not check them: a flipped byte in a tensor would load as another number); a directory without one is
+    incomplete."""
     path = Path(path)
     if not path.exists():
         return f"{path} not found"
@@ -115,9 +118,11 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if path.is_file() and not manifest.is_file():
         try:
             with zipfile.ZipFile(path) as archive:
-                archive.namelist()
-        except (zipfile.BadZipFile, OSError) as err:
-            return f"{path} is not a readable checkpoint ({err})"
+                damaged = archive.testzip()  # reads every member and checks its CRC-32: the first bad one's name
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as err:
+            return f"{path} is not a readable checkpoint ({' '.join(str(err).split())})"
+        if damaged is not None:
+            return f"{path} is damaged ({damaged} does not match the CRC-32 written with it)"
         return None
     if not manifest.is_file():
         return f"{path} is incomplete (no {CONTENTS})"

@@ -212,9 +212,11 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     config = with_document_resets(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
     check_slurm_launch(world)
-    checkpoint = resolve_resume(run_dir, resume)  # before anything is written: a bad --resume changes nothing
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Before anything is written: a bad --resume, or one this strategy cannot continue, changes nothing (resume_path
+    # only writes a weights-only copy next to the checkpoint, after its own checks).
+    checkpoint = resolve_resume(run_dir, resume)
     ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
+    run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, yaml)
     tokenizer = Path(config.data.path) / datamodule.manifest["tokenizer"]["file"]
     if not (run_dir / "tokenizer.json").exists():

@@ -2,12 +2,15 @@
 with nothing else changed (not the data, not the code under test).
 
     LM_FAULTS="signal@checkpoint,nan_grad@3,nan_grad@4" lm train ...
+    LM_FAULTS="kill@step:3" lm train ...
 
 - `signal@MOMENT` sends this process SIGUSR1 (a scheduler's stop notice) once, at MOMENT: `fit_start`, `step:N`
   (at the end of the first micro-batch after optimizer step N: mid-accumulation when there is any), `validation` (at
   its start), `checkpoint` (while a checkpoint is being written) or `train_end` (after the last step). `sigterm@MOMENT`
-  sends SIGTERM (a time limit) instead. (The interpreter's own shutdown comes after anything here could run: tests send
-  those notices from outside.)
+  sends SIGTERM (a time limit) instead, and `kill@MOMENT` SIGKILL (a crash, an out-of-memory kill, a lost node: the
+  process ends there, nothing of lm's runs after it). At `step:N` it comes before step N's checkpoint is written
+  (Lightning runs checkpoint callbacks last): `kill@step:3` with a checkpoint every 2 steps leaves step 2's newest.
+  (The interpreter's own shutdown comes after anything here could run: tests send those notices from outside.)
 - `nan_grad@N` makes every gradient of optimizer step N (0-based, the trainer's global_step then) NaN, as a
   diverging step would; on every rank, so that they agree as real non-finite gradients (all-reduced) would.
 
@@ -24,7 +27,7 @@ from lm.errors import UserError
 
 ENV = "LM_FAULTS"
 MOMENTS = ("fit_start", "validation", "checkpoint", "train_end")
-SIGNALS = {"signal": signal.SIGUSR1, "sigterm": signal.SIGTERM}
+SIGNALS = {"signal": signal.SIGUSR1, "sigterm": signal.SIGTERM, "kill": signal.SIGKILL}
 
 
 def planned() -> list[tuple[str, str]]:
@@ -34,8 +37,8 @@ def planned() -> list[tuple[str, str]]:
         kind, _, where = entry.strip().partition("@")
         moment = where in MOMENTS or (where.startswith("step:") and where[5:].isdigit())
         if not ((kind in SIGNALS and moment) or (kind == "nan_grad" and where.isdigit())):
-            raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT or sigterm@MOMENT with MOMENT in "
-                            f"{', '.join(MOMENTS)} or step:N, or nan_grad@N)")
+            raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT, sigterm@MOMENT or kill@MOMENT with "
+                            f"MOMENT in {', '.join(MOMENTS)} or step:N, or nan_grad@N)")
         faults.append((kind, where))
     return faults
 

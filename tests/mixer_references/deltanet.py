@@ -1,0 +1,88 @@
+"""DeltaNet and Gated DeltaNet (Yang et al., 2024), token by token in float64 from the mixer's own parameters.
+
+q, k, v = SiLU(causal depthwise conv(W x)) each (no conv, no SiLU with conv_size 0); q, k L2-normalised per head
+(qk_norm); beta_t = sigmoid(W_b x_t); Gated DeltaNet's decay alpha_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias))
+(alpha = 1 for DeltaNet); per head
+
+    S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(K);
+
+then the gated RMSNorm rmsnorm(o_t) * w * silu(W_g x_t) (o_t * w * silu(W_g x_t) with output_norm false) and the
+output projection.
+"""
+
+import math
+
+import torch
+
+from . import reference
+
+CHUNK = {"chunk_size": 4}
+
+
+def _silu(x):
+    return x * torch.sigmoid(x)
+
+
+def _softplus(x):
+    return torch.logaddexp(x, torch.zeros_like(x))
+
+
+def _conv_step(weight, state, name, x_t):
+    """One step of the causal depthwise conv + SiLU (weight [C, 1, W]; state[name] the last W - 1 inputs [B, W - 1, C],
+    updated); the identity without a conv."""
+    if weight is None:
+        return x_t
+    window = torch.cat([state[name], x_t[:, None]], dim=1)  # [B, W, C], oldest first
+    state[name] = window[:, 1:]
+    return _silu((window * weight[:, 0, :].T).sum(1))
+
+
+def _l2(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True)).clamp_min(1e-12)
+
+
+def _zero_state(mixer, x):
+    B, H, K, V = x.shape[0], mixer.n_heads, mixer.key_dim, mixer.value_dim
+    W = mixer.options.conv_size
+    state = {"S": x.new_zeros(B, H, K, V)}
+    if W:
+        state.update(q=x.new_zeros(B, W - 1, H * K), k=x.new_zeros(B, W - 1, H * K), v=x.new_zeros(B, W - 1, H * V))
+    return state
+
+
+def forward(mixer, x, state, reset):
+    B, T, _ = x.shape
+    H, K, V = mixer.n_heads, mixer.key_dim, mixer.value_dim
+    state = dict(state) if state is not None else _zero_state(mixer, x)
+    outputs = []
+    for t in range(T):
+        x_t = x[:, t]
+        if reset is not None:
+            keep = (~reset[:, t]).to(x.dtype)
+            state = {name: value * keep.view(-1, *[1] * (value.dim() - 1)) for name, value in state.items()}
+        q = _conv_step(mixer.q_conv.weight, state, "q", x_t @ mixer.q_proj.weight.T)
+        k = _conv_step(mixer.k_conv.weight, state, "k", x_t @ mixer.k_proj.weight.T)
+        v = _conv_step(mixer.v_conv.weight, state, "v", x_t @ mixer.v_proj.weight.T)
+        q, k, v = q.view(B, H, K), k.view(B, H, K), v.view(B, H, V)
+        if mixer.options.qk_norm:
+            q, k = _l2(q), _l2(k)
+        beta = torch.sigmoid(x_t @ mixer.b_proj.weight.T)[..., None, None]  # [B, H, 1, 1]
+        S = state["S"]
+        if mixer.gated:
+            alpha = torch.exp(-torch.exp(mixer.A_log) * _softplus(x_t @ mixer.a_proj.weight.T + mixer.dt_bias))
+            S = alpha[..., None, None] * S
+        kS = (k[..., :, None] * S).sum(-2)  # k^T S  [B, H, V]
+        S = S - beta * k[..., :, None] * kS[..., None, :] + beta * k[..., :, None] * v[..., None, :]
+        state["S"] = S
+        o = (S * q[..., None]).sum(-2) / math.sqrt(K)  # [B, H, V]
+        if mixer.options.output_norm:
+            o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-6)
+        o = o * mixer.norm.weight * _silu((x_t @ mixer.g_proj.weight.T).view(B, H, V))
+        outputs.append(o.reshape(B, H * V) @ mixer.out_proj.weight.T)
+    return torch.stack(outputs, 1), state
+
+
+reference("deltanet", variants=[CHUNK, {**CHUNK, "conv_size": 0}, {**CHUNK, "qk_norm": False},
+                                {**CHUNK, "output_norm": False}, {**CHUNK, "expand_v": 2}])(forward)
+reference("gated_deltanet", variants=[CHUNK, {**CHUNK, "expand_v": 1}, {**CHUNK, "conv_size": 0},
+                                      {**CHUNK, "qk_norm": False, "output_norm": False}])(forward)
