@@ -10,8 +10,6 @@ the activations. Weights, gradients and AdamW's moments exist before the measure
 
 import gc
 import json
-import multiprocessing
-import resource
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +21,6 @@ from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 from lm.training.module import next_token_loss
-
-
-def rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() // 1024
-
 
 CPU_DEVICES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
 
@@ -62,33 +54,6 @@ def allocated_peak_mib(fn) -> float:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     return tracked_peak_bytes(fn) / 2**20
-
-
-def peak_growth_mib(fn) -> float:
-    """How far peak memory rises above the current level while fn() runs, in MiB (CUDA: allocated by torch;
-    CPU: RSS, meaningful only in a process whose peak so far is below the current level plus the growth). Only
-    bench/mixer_speed.py measures this way still; `lm bench memory` and `lm bench plan-memory --check` take
-    allocated_peak_mib."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = rss_kib()
-    fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024  # ru_maxrss is in KiB on Linux
-
-
-def fresh_processes():
-    """A pool that runs each task in a process of its own. forkserver, not spawn: an exec'd child inherits its
-    parent's peak RSS in ru_maxrss, a forked one does not. The server imports torch and lm once, so that each
-    task's process starts without importing them again."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["bench.memory", "bench.mixer_speed"])
-    return context.Pool(1, maxtasksperchild=1)
 
 
 def whole_logits_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Speed and memory of the sequence ops behind the recurrent mixers: chunkwise form (training) vs recurrent form.
 
 Each mixer's op gets the head shapes its module builds for (d_model, n_heads, head_dim) and random inputs in the ranges
-the module feeds it (the mixer's `bench_op`). Timings are forward + backward. Peak memory is the growth of peak RSS
-during one chunkwise forward + backward, each (mixer, T) in a fresh process (CPU, Linux).
+the module feeds it (the mixer's `bench_op`). Timings are forward + backward. Peak memory is the peak of the tensor
+memory allocated during one chunkwise forward + backward (torch's allocations, tracked; bench.memory).
 
 A mixer's `bench_variants` add rows with other options (Mesa: fewer CG steps, early stopping at a tolerance), each
 compared with its `bench_reference` mixer at the same (d_model, n_heads, head_dim) when that one runs too; the
@@ -17,7 +17,7 @@ import time
 import torch
 
 import lm.ops
-from bench.memory import fresh_processes, peak_growth_mib
+from bench.memory import allocated_peak_mib
 from bench.train_speed import device_name
 from lm.errors import UserError
 from lm.mixers import MIXERS, Mixer
@@ -101,15 +101,11 @@ def best_ms(fn, args: list, proj: torch.Tensor, repeats: int, max_s: float = mat
 
 def peak_mib(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int,
              options: dict | None = None) -> float:
-    """Run in a fresh process: peak RSS of one chunkwise forward + backward minus the RSS after inputs exist, MiB.
-
-    RSS accounting is approximate: figures within a few tenths of a MiB of 0 (even negative) are noise."""
-    # A short run first, so one-time costs (autograd threads, library buffers) do not count as memory that grows in T.
-    call, proj = op_call(mixer, 64, d_model, n_heads, head_dim, batch, **(options or {}))
-    forward_backward(op_fns(call)[0], call.args, proj)
+    """Peak tensor memory of one chunkwise forward + backward above what its inputs hold, MiB (torch's allocations,
+    bench.memory.allocated_peak_mib)."""
     call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch, **(options or {}))
     chunkwise = op_fns(call)[0]
-    return peak_growth_mib(lambda: forward_backward(chunkwise, call.args, proj))
+    return allocated_peak_mib(lambda: forward_backward(chunkwise, call.args, proj))
 
 
 def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 2048, 8192],  # noqa: B006
@@ -126,7 +122,7 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
         head_dim: head_dim of the mixers (key or state size; some mixers ignore it).
         batch: Sequences per call.
         recurrent_max_len: Time the recurrent form only up to this T (its step loop is slow); null beyond.
-        memory: Also measure the chunkwise form's peak memory, one fresh process per (mixer, T); default rows only.
+        memory: Also measure the chunkwise form's peak memory (tracked allocations); default rows only.
         repeats: Timed calls per figure after one warm-up; the best counts.
         max_s: Stop a figure's timed calls early (after at least one) once they add up to this many seconds; a
             warm-up call that alone takes this long is the figure (one call).
@@ -175,10 +171,9 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
         if (reference, r["T"]) in chunk_ms:
             r["reference"], r["vs_reference"] = reference, r["chunk_ms"] / chunk_ms[reference, r["T"]]
     if memory:
-        with fresh_processes() as pool:
-            for r, mixer in measured:
-                r["peak_mib"] = pool.apply(peak_mib, (mixer, r["T"]), {**shape, "options": options})
-                r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)
+        for r, mixer in measured:
+            r["peak_mib"] = peak_mib(mixer, r["T"], **shape, options=options)
+            r["mib_per_1k_tokens"] = r["peak_mib"] / (batch * r["T"] / 1000)
     result = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
               "threads": torch.get_num_threads(), **shape, "repeats": repeats, "max_s": max_s,
               "recurrent_max_len": recurrent_max_len, "options": options or {}, "rows": rows}

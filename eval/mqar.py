@@ -124,7 +124,7 @@ def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_lay
     model.eval()
     acc = sum(accuracy(model, *mqar_batch(task, batch, test)) for _ in range(eval_batches)) / eval_batches
     return {"mixer": mixer, "options": mixer_options or {}, "accuracy": acc, "final_loss": loss.item(),
-            "params": model.num_params(), "state_floats": state_floats(model, task.seq_len), "steps": steps,
+            "params": model.num_params(), "state_floats": state_floats(model, task.seq_len), "steps": steps, "lr": lr,
             "seconds": time.perf_counter() - start}
 
 

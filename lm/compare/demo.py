@@ -164,8 +164,12 @@ def write_mqar(out: Path, rows: list[dict]) -> Path:
     from eval.mqar import MQARTask
 
     task = MQARTask(vocab=32, pairs=4)  # mqar_table's defaults
+    lrs = [row["lr"] for row in rows]
+    common = max(set(lrs), key=lrs.count)
+    others = ", ".join(f"{row['mixer']} {row['lr']:g}" for row in rows if row["lr"] != common)
     lines = [f"MQAR (`lm eval mqar`): vocab {task.vocab}, {task.pairs} pairs, length {task.seq_len}, 2 layers, "
-             "d_model 64, batch 64, lr 3e-3; accuracy on fresh sequences (docs/mqar.md).", "",
+             f"d_model 64, batch 64, lr {common:g}{f' ({others})' if others else ''}; accuracy on fresh sequences "
+             "(docs/mqar.md).", "",
              "| " + " | ".join(MQAR_COLUMNS) + " |", "|" + " --- |" * len(MQAR_COLUMNS)]
     lines += ["| " + " | ".join(mqar_cells(row)) + " |" for row in rows]
     (out / "mqar.md").write_text("\n".join(lines) + "\n")

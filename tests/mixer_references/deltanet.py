@@ -15,30 +15,17 @@ import math
 import torch
 
 from . import reference
+from .elementwise import cleared, conv_step, l2_normalise, rms_normalise, silu, softplus
 
 CHUNK = {"chunk_size": 4}
 
 
-def _silu(x):
-    return x * torch.sigmoid(x)
-
-
-def _softplus(x):
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-def _conv_step(weight, state, name, x_t):
-    """One step of the causal depthwise conv + SiLU (weight [C, 1, W]; state[name] the last W - 1 inputs [B, W - 1, C],
-    updated); the identity without a conv."""
-    if weight is None:
+def _conv(conv, state, name, x_t):
+    """conv + SiLU of x_t, the conv's past inputs in state[name] (updated); x_t itself without a conv."""
+    if conv is None or conv.weight is None:
         return x_t
-    window = torch.cat([state[name], x_t[:, None]], dim=1)  # [B, W, C], oldest first
-    state[name] = window[:, 1:]
-    return _silu((window * weight[:, 0, :].T).sum(1))
-
-
-def _l2(x):
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True)).clamp_min(1e-12)
+    y, state[name] = conv_step(state[name], x_t, conv.weight)
+    return y
 
 
 def _zero_state(mixer, x):
@@ -57,27 +44,24 @@ def forward(mixer, x, state, reset):
     outputs = []
     for t in range(T):
         x_t = x[:, t]
-        if reset is not None:
-            keep = (~reset[:, t]).to(x.dtype)
-            state = {name: value * keep.view(-1, *[1] * (value.dim() - 1)) for name, value in state.items()}
-        q = _conv_step(mixer.q_conv.weight, state, "q", x_t @ mixer.q_proj.weight.T)
-        k = _conv_step(mixer.k_conv.weight, state, "k", x_t @ mixer.k_proj.weight.T)
-        v = _conv_step(mixer.v_conv.weight, state, "v", x_t @ mixer.v_proj.weight.T)
+        state = cleared(state, None if reset is None else reset[:, t])
+        q, k, v = (_conv(getattr(mixer, f"{n}_conv"), state, n, x_t @ getattr(mixer, f"{n}_proj").weight.T)
+                   for n in "qkv")
         q, k, v = q.view(B, H, K), k.view(B, H, K), v.view(B, H, V)
         if mixer.options.qk_norm:
-            q, k = _l2(q), _l2(k)
+            q, k = l2_normalise(q), l2_normalise(k)
         beta = torch.sigmoid(x_t @ mixer.b_proj.weight.T)[..., None, None]  # [B, H, 1, 1]
         S = state["S"]
         if mixer.gated:
-            alpha = torch.exp(-torch.exp(mixer.A_log) * _softplus(x_t @ mixer.a_proj.weight.T + mixer.dt_bias))
+            alpha = torch.exp(-torch.exp(mixer.A_log) * softplus(x_t @ mixer.a_proj.weight.T + mixer.dt_bias))
             S = alpha[..., None, None] * S
         kS = (k[..., :, None] * S).sum(-2)  # k^T S  [B, H, V]
         S = S - beta * k[..., :, None] * kS[..., None, :] + beta * k[..., :, None] * v[..., None, :]
         state["S"] = S
         o = (S * q[..., None]).sum(-2) / math.sqrt(K)  # [B, H, V]
         if mixer.options.output_norm:
-            o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-6)
-        o = o * mixer.norm.weight * _silu((x_t @ mixer.g_proj.weight.T).view(B, H, V))
+            o = rms_normalise(o, 1e-6)
+        o = o * mixer.norm.weight * silu((x_t @ mixer.g_proj.weight.T).view(B, H, V))
         outputs.append(o.reshape(B, H * V) @ mixer.out_proj.weight.T)
     return torch.stack(outputs, 1), state
 

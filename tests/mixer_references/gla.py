@@ -12,16 +12,7 @@ A reset clears S and the convs' past inputs.
 import torch
 
 from mixer_references import reference
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
-
-
-def causal_conv(past: torch.Tensor, new: torch.Tensor, weight: torch.Tensor):
-    """silu(sum_j weight[:, 0, j] * input (S - 1 - j) steps back), and the last S - 1 inputs."""
-    window = torch.cat([past, new[:, None]], dim=1)  # [B, S, C], oldest first
-    return silu(sum(window[:, j] * weight[:, 0, j] for j in range(weight.shape[-1]))), window[:, 1:]
+from mixer_references.elementwise import conv_step, silu
 
 
 @reference("gla", variants=[{"chunk_size": 4, "sub_chunk": 2}, {"chunk_size": 4, "sub_chunk": 2, "conv_size": 4},
@@ -51,7 +42,7 @@ def forward(mixer, x, state, reset):
         qkv = [xt @ mixer.q_proj.weight.T, xt @ mixer.k_proj.weight.T, xt @ mixer.v_proj.weight.T]
         if S:
             for j, n in enumerate(names):
-                qkv[j], state[n] = causal_conv(state[n], qkv[j], mixer.convs[n].weight)
+                qkv[j], state[n] = conv_step(state[n], qkv[j], mixer.convs[n].weight)
         q, k, v = qkv[0].view(Bsz, H, K), qkv[1].view(Bsz, H, K), qkv[2].view(Bsz, H, V)
         logits = (xt @ mixer.decay_down.weight.T) @ mixer.decay_up.weight.T + mixer.decay_up.bias
         alpha = torch.sigmoid(logits).pow(1 / o.gate_temperature).view(Bsz, H, K)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from mixer_references import reference
+from mixer_references.elementwise import conv_step
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +48,7 @@ def forward(mixer, x, state, reset):
         xt = x[:, t]
         u_in = xt @ mixer.x_proj.weight.T
         if S:
-            window = torch.cat([past, u_in[:, None]], dim=1)  # [B, S, W], oldest first
-            u = conv_b + sum(window[:, j] * conv_w[:, 0, j] for j in range(S))
-            past = window[:, 1:]
+            u, past = conv_step(past, u_in, conv_w, conv_b, activation=False)
         else:
             u = u_in
         r = torch.sigmoid(block_diagonal(u, mixer.a_gate.weight, mixer.a_gate.bias))

@@ -15,14 +15,7 @@ A reset clears S and the conv's past inputs.
 import torch
 
 from mixer_references import reference
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    return torch.log1p(torch.exp(x))
+from mixer_references.elementwise import conv_step, silu, softplus
 
 
 @reference("mamba2", variants=[{"chunk_size": 4}, {"chunk_size": 4, "n_groups": 3},
@@ -46,9 +39,7 @@ def forward(mixer, x, state, reset):
         proj = x[:, t] @ mixer.in_proj.weight.T
         z, xbc, dt_raw = proj[:, :inner], proj[:, inner:inner + width], proj[:, inner + width:]
         if S:
-            window = torch.cat([past, xbc[:, None]], dim=1)  # [B, S, width], oldest first
-            xbc = silu(sum(window[:, j] * mixer.conv.weight[:, 0, j] for j in range(S)))
-            past = window[:, 1:]
+            xbc, past = conv_step(past, xbc, mixer.conv.weight)
         xs = xbc[:, :inner].reshape(Bsz, H, P)
         b = xbc[:, inner:inner + G * N].reshape(Bsz, G, N)
         c = xbc[:, inner + G * N:].reshape(Bsz, G, N)

@@ -16,30 +16,10 @@ default atol 1e-9 holds, tight enough that a float32 step in the forward or the 
 import torch
 
 from . import reference
+from .deltanet import _conv
+from .elementwise import cleared, l2_normalise, rms_normalise, silu, softplus
 
 CHUNK = {"chunk_size": 4}
-
-
-def _silu(x):
-    return x * torch.sigmoid(x)
-
-
-def _softplus(x):
-    return torch.logaddexp(x, torch.zeros_like(x))
-
-
-def _conv_step(conv, state, name, x_t):
-    """One step of the causal depthwise conv + SiLU (state[name]: the last W - 1 inputs [B, W - 1, C], updated); the
-    identity without a conv."""
-    if conv is None or conv.weight is None:
-        return x_t
-    window = torch.cat([state[name], x_t[:, None]], dim=1)  # [B, W, C], oldest first
-    state[name] = window[:, 1:]
-    return _silu((window * conv.weight[:, 0, :].T).sum(1))
-
-
-def _l2(x):
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True)).clamp_min(1e-12)
 
 
 def _zero_state(mixer, x):
@@ -69,18 +49,16 @@ def forward(mixer, x, state, reset):
     H, K, V = mixer.n_heads, mixer.key_dim, mixer.value_dim
     o_ = mixer.options
     state = dict(state) if state is not None else _zero_state(mixer, x)
-    lam = o_.lam_floor + _softplus(mixer.lam_raw)  # [H, K]
+    lam = o_.lam_floor + softplus(mixer.lam_raw)  # [H, K]
     outputs = []
     for t in range(T):
         x_t = x[:, t]
-        if reset is not None:
-            keep = (~reset[:, t]).to(x.dtype)
-            state = {name: value * keep.view(-1, *[1] * (value.dim() - 1)) for name, value in state.items()}
-        q = _conv_step(mixer.q_conv, state, "q", x_t @ mixer.q_proj.weight.T).view(B, H, K)
-        k = _conv_step(mixer.k_conv, state, "k", x_t @ mixer.k_proj.weight.T).view(B, H, K)
-        v = _conv_step(mixer.v_conv, state, "v", x_t @ mixer.v_proj.weight.T).view(B, H, V)
+        state = cleared(state, None if reset is None else reset[:, t])
+        q = _conv(mixer.q_conv, state, "q", x_t @ mixer.q_proj.weight.T).view(B, H, K)
+        k = _conv(mixer.k_conv, state, "k", x_t @ mixer.k_proj.weight.T).view(B, H, K)
+        v = _conv(mixer.v_conv, state, "v", x_t @ mixer.v_proj.weight.T).view(B, H, V)
         if o_.qk_norm:
-            q, k = _l2(q), _l2(k)
+            q, k = l2_normalise(q), l2_normalise(k)
         beta = torch.sigmoid(x_t @ mixer.beta_proj.weight.T + mixer.beta_proj.bias)  # [B, H]
         gamma = torch.sigmoid(x_t @ mixer.gamma_proj.weight.T + mixer.gamma_proj.bias)
         if o_.gamma_cap is not None:
@@ -92,9 +70,9 @@ def forward(mixer, x, state, reset):
         z = torch.linalg.solve(Hk + torch.diag_embed(lam).expand_as(Hk), q[..., None])  # [B, H, K, 1]
         o = (G @ z)[..., 0]  # [B, H, V]
         if o_.output_norm:
-            o = o / torch.sqrt((o * o).mean(-1, keepdim=True) + 1e-6)
+            o = rms_normalise(o, 1e-6)
         o = o * mixer.norm.weight
         if o_.output_gate:
-            o = o * _silu((x_t @ mixer.g_proj.weight.T).view(B, H, V))
+            o = o * silu((x_t @ mixer.g_proj.weight.T).view(B, H, V))
         outputs.append(o.reshape(B, H * V) @ mixer.out_proj.weight.T)
     return torch.stack(outputs, 1), state

@@ -18,24 +18,13 @@ import math
 import torch
 
 from . import reference
+from .elementwise import cleared, conv_step, logsigmoid, rms_normalise
 
 CHUNK = {"chunk_size": 4}
 
 
 def _softcap(x, cap):
     return x if cap is None else cap * torch.tanh(x / cap)
-
-
-def _logsigmoid(x):
-    return -torch.logaddexp(torch.zeros_like(x), -x)
-
-
-def _silu(x):
-    return x * torch.sigmoid(x)
-
-
-def _rms(x, eps):
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
 
 
 def _zero_state(mixer, x):
@@ -64,19 +53,15 @@ def forward(mixer, x, state, reset):
     outputs = []
     for t in range(T):
         x_t = x[:, t]  # [B, D]
-        if reset is not None:
-            keep = (~reset[:, t]).to(x.dtype)
-            state = {name: value * keep.view(-1, *[1] * (value.dim() - 1)) for name, value in state.items()}
+        state = cleared(state, None if reset is None else reset[:, t])
         qk_in = x_t
         if mixer.conv is not None:
-            window = torch.cat([state["conv"], x_t[:, None]], dim=1)  # [B, W, D], oldest first
-            state["conv"] = window[:, 1:]
-            qk_in = _silu((window * mixer.conv.weight[:, 0, :].T).sum(1))
+            qk_in, state["conv"] = conv_step(state["conv"], x_t, mixer.conv.weight)
         q = (qk_in @ mixer.q_proj.weight.T).view(B, H, K) / math.sqrt(K)
         k = (qk_in @ mixer.k_proj.weight.T).view(B, H, K)
         v = (x_t @ mixer.v_proj.weight.T).view(B, H, V)
         i_pre = _softcap(x_t @ mixer.igate.weight.T + mixer.igate.bias, cap)  # [B, H]
-        log_f = _logsigmoid(_softcap(x_t @ mixer.fgate.weight.T + mixer.fgate.bias, cap))
+        log_f = logsigmoid(_softcap(x_t @ mixer.fgate.weight.T + mixer.fgate.bias, cap))
         m_prev = state["m"]
         m = torch.maximum(log_f + m_prev, i_pre).detach()
         decay, write = torch.exp(log_f + m_prev - m), torch.exp(i_pre - m)
@@ -87,7 +72,7 @@ def forward(mixer, x, state, reset):
         den = torch.maximum((n * q).sum(-1).abs(), torch.exp(-m)) + eps
         h = num / den[..., None]
         if mixer.options.output_norm:
-            h = _rms(h, 1e-6)
+            h = rms_normalise(h, 1e-6)
         h = h.reshape(B, H * V) * mixer.norm_weight * torch.sigmoid(x_t @ mixer.ogate.weight.T)
         outputs.append(h @ mixer.out_proj.weight.T)
     return torch.stack(outputs, 1), state
