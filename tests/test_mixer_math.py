@@ -11,7 +11,7 @@ from mixer_references import REFERENCES
 
 from lm.mixers import MIXERS
 
-D, HEADS, HEAD_DIM, B, PREFIX, T = 24, 3, 8, 2, 5, 19
+D, HEADS, HEAD_DIM, B, PREFIX, T = 32, 4, 8, 2, 5, 19  # 4 heads: groups of 2 show a wrong head-to-group map
 RESETS = [[3, 4, 11], [0, 17]]  # row 0: a one-token document, row 1: the carried state dropped at once
 CASES = [(name, options) for name in sorted(MIXERS) if name in REFERENCES for options in REFERENCES[name].variants]
 

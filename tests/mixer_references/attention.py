@@ -70,6 +70,7 @@ def attend(mixer, x, state, reset, window: int | None = None):
     return torch.stack(out), rows
 
 
-@reference("attention", variants=[{}, {"n_kv_heads": 1}, {"rope_restart": False}, {"rope_theta": 50.0}])
+@reference("attention", variants=[{}, {"n_kv_heads": 1}, {"n_kv_heads": 2}, {"rope_restart": False},
+                                  {"rope_theta": 50.0}])
 def forward(mixer, x, state, reset):
     return attend(mixer, x, state, reset)

@@ -18,7 +18,7 @@ from mixer_references import reference
 from mixer_references.elementwise import conv_step, silu, softplus
 
 
-@reference("mamba2", variants=[{"chunk_size": 4}, {"chunk_size": 4, "n_groups": 3},
+@reference("mamba2", variants=[{"chunk_size": 4}, {"chunk_size": 4, "n_groups": 2},
                                {"chunk_size": 4, "output_norm": False}, {"chunk_size": 4, "conv_size": 0},
                                {"chunk_size": 4, "conv_size": 3}])
 def forward(mixer, x, state, reset):

@@ -5,6 +5,6 @@ from mixer_references import reference
 from mixer_references.attention import attend
 
 
-@reference("swa", variants=[{"window": 4}, {"window": 1}, {"window": 7, "n_kv_heads": 1}, {}])
+@reference("swa", variants=[{"window": 4}, {"window": 1}, {"window": 7, "n_kv_heads": 2}, {}])
 def forward(mixer, x, state, reset):
     return attend(mixer, x, state, reset, window=mixer.options.window)
