@@ -159,12 +159,11 @@ def mesa_recurrent(
         H = gamma * H + torch.einsum("bhk,bhl->bhkl", k_beta, k[:, t])
         x = q[:, t]
         if cg_steps > 0:
-            matvec = lambda p, H=H: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p
             diagonals.append(H.diagonal(dim1=-2, dim2=-1).detach())
             x, used = _ImplicitSolve.solve(H, lam, q[:, t], cg_steps, cg_tol)
             if return_info:
                 iterations.append(used)
-                residuals.append(_true_residual(matvec, q[:, t], x))
+                residuals.append(_true_residual(_ImplicitSolve.matvec(H, lam), q[:, t], x))
         outs.append(torch.einsum("bhvk,bhk->bhv", G, x))
     out = torch.stack(outs, dim=1).to(in_dtype)
     if not return_info:
@@ -240,9 +239,14 @@ class _ImplicitSolve(torch.autograd.Function):
         return _ImplicitSolve.cg(H, lam, grad, ctx.steps, ctx.tol)[0], None, None, None, None
 
     @staticmethod
+    def matvec(H, lam):
+        """p -> (H + diag(lam)) p, per batch and head."""
+        return lambda p: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p
+
+    @staticmethod
     def cg(H, lam, b, steps, tol):
-        matvec = lambda p: torch.einsum("bhkl,bhl->bhk", H, p) + lam * p  # noqa: E731
-        return _cg(matvec, b, b / (H.diagonal(dim1=-2, dim2=-1) + lam), steps, tol)
+        """`_cg` warm-started at the Jacobi guess b / diag(A), as in `mesa`."""
+        return _cg(_ImplicitSolve.matvec(H, lam), b, b / (H.diagonal(dim1=-2, dim2=-1) + lam), steps, tol)
 
     @staticmethod
     def solve(H, lam, q, steps, tol):
@@ -252,7 +256,7 @@ class _ImplicitSolve(torch.autograd.Function):
         with torch.no_grad():
             x, used = _ImplicitSolve.cg(H, lam, q, steps, tol)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (H, lam, q)):
-            residual = q - torch.einsum("bhkl,bhl->bhk", H, x) - lam * x
+            residual = q - _ImplicitSolve.matvec(H, lam)(x)
             y = _ImplicitSolve.apply(residual, H.detach(), lam.detach(), steps, tol)
             x = x + (y - y.detach())
         return x, used
