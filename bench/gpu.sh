@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check, in one run on a lent machine (one H100/H200; at most about 9.5 minutes, within the device tool's
-# 10-minute call; TEST_TIMEOUT, BUDGET_400M and BUDGET_1B set its parts' limits):
+# 10-minute call; TEST_TIMEOUT, MESA_TIMEOUT, BUDGET_1B and BUDGET_400M set its parts' limits):
 #   1. the packages the machine lacks, installed from the wheels that `make gpu-wheels` put in .whl/, and every
 #      kernel package imported: a failure stops the script at once;
-#   2. the GPU-only tests (fla, mlstm_kernels and liger-kernel against the torch code, every mixer's model on CUDA
-#      against the CPU, DeepSpeed bf16): they must all pass with 0 skipped, and their wall time, which on a fresh
-#      machine is mostly Triton compiling and autotuning the kernels, is stated;
-#   3. bf16 training throughput, MFU, peak memory and first-step time (compiling included) of every mixer's paper
-#      configs (`lm bench train`): every 400M config at 2048, then the 1B attention, Gated DeltaNet and Mesa at 2048
-#      and 8192, each part within a time budget (rows not started in time are marked skipped).
+#   2. the GPU-only tests (Mesa's Triton kernels against the float64 solve and fla's chunk_mesa_net; fla,
+#      mlstm_kernels and liger-kernel against the torch code, every mixer's model on CUDA against the CPU, DeepSpeed
+#      bf16): they must all pass with 0 skipped, and their wall time, which on a fresh machine is mostly Triton
+#      compiling and autotuning the kernels, is stated;
+#   3. Mesa's op against fla's chunk_mesa_net (`lm bench peers --peers [fla]`, the 1B config's heads, T 2048 and
+#      8192, 30 CG steps): forward + backward time and the error against the float64 solve;
+#   4. bf16 training throughput, MFU, peak memory and first-step time (compiling included) of every mixer's paper
+#      configs (`lm bench train`): the 1B Mesa (30 CG steps, and cg_tol 1e-4), Gated DeltaNet and attention at 2048,
+#      then at 8192, then every 400M config at 2048, each part within a time budget (rows not started in time are
+#      marked skipped).
 #
-#   bench/gpu.sh [OUT_DIR]     results: OUT_DIR/{env.txt,gpu-tests.txt,gpu-train.json,gpu-train.md,summary.txt}
+#   bench/gpu.sh [OUT_DIR]     results: OUT_DIR/{env.txt,gpu-tests.txt,mesa-peer.json,mesa-peer.md,gpu-train.json,
+#                              gpu-train.md,summary.txt}
 #
 # Exit status 0 only when every step passed. SMOKE=1 runs the same steps at tiny sizes on the CPU, where the GPU
 # tests skip (tests/test_gpu_script.py does), so that the script itself is tested where there is no GPU.
@@ -72,7 +77,7 @@ t0=$SECONDS
 # -v: each test's result as it ends, so that the outer time limit leaves a record; on the GPU machine pytest-timeout
 # (in its image) also fails a single test stuck past 150 s rather than letting it take the whole limit.
 PER_TEST=(); [ "$SMOKE" = 1 ] || PER_TEST=(--timeout 150)
-timeout "${TEST_TIMEOUT:-270}" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider --durations=15 "${PER_TEST[@]}" \
+timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -v --tb=short -rs -p no:cacheprovider --durations=15 "${PER_TEST[@]}" \
     "${TESTS[@]}" > "$OUT/gpu-tests.txt" 2>&1
 status=$?
 summary=$(tail -n 1 "$OUT/gpu-tests.txt")
@@ -85,21 +90,41 @@ else
     echo "$summary" | grep -q "skipped" && failed+=("GPU tests skipped some")
 fi
 
-# 3. training throughput
+# 3. Mesa's op against fla's
+if [ "$SMOKE" = 1 ]; then
+    MESA=(--mesa_lengths "[40]" --mesa_heads 2 --mesa_head_dim 8 --repeats 1)
+else
+    MESA=(--mesa_lengths "[2048, 8192]" --mesa_heads 12 --mesa_head_dim 128 --mesa_batch 1 --repeats 3)
+fi
+t0=$SECONDS
+timeout "${MESA_TIMEOUT:-90}" "$PY" -m lm.cli bench peers --peers "[fla]" --cg_steps 30 "${MESA[@]}" \
+    --json_out "$OUT/mesa-peer.json" > "$OUT/mesa-peer.md" 2>&1
+status=$?
+say "Mesa op against fla's chunk_mesa_net: exit $status in $((SECONDS - t0)) s"
+[ $status = 0 ] || { tail -n 20 "$OUT/mesa-peer.md"; failed+=("lm bench peers (mesa)"); }
+
+# 4. training throughput
 if [ "$SMOKE" = 1 ]; then
     for mixer in attention gated_deltanet; do
         sed -e "s/^\(  d_model:\).*/\1 32/" -e "s/^\(  n_layers:\).*/\1 1/" -e "s/^\(  n_heads:\).*/\1 2/" \
             -e "s/^\(  head_dim:\).*/\1 16/" -e "s/^\(  vocab_size:\).*/\1 256/" -e "s/^\(  mlp_ratio:\).*/\1 2.0/" \
             "configs/$mixer/400m.yaml" > "$OUT/smoke-$mixer.yaml"
     done
+    sed -e "s/^\(  mixer:\).*/\1 mesa/" "$OUT/smoke-attention.yaml" > "$OUT/smoke-mesa.yaml"
+    MESA_CONFIG="$OUT/smoke-mesa.yaml"
     RUNS=("[$OUT/smoke-attention.yaml, $OUT/smoke-gated_deltanet.yaml]|[16, 40]|60")
     TOKENS=80 STEPS=1 WARMUP=1
 else
     every=$(printf '%s, ' configs/*/400m.yaml)
-    big="[configs/attention/1b.yaml, configs/gated_deltanet/1b.yaml, configs/mesa/1b.yaml]"
-    RUNS=("[${every%, }]|[2048]|${BUDGET_400M:-100}" "$big|[2048, 8192]|${BUDGET_1B:-50}")
+    MESA_CONFIG=configs/mesa/1b.yaml
+    # Mesa's rows first: a budget that runs out skips what comes last.
+    big="[configs/mesa/1b.yaml, $OUT/mesa-1b-cg_tol.yaml, configs/gated_deltanet/1b.yaml, configs/attention/1b.yaml]"
+    RUNS=("$big|[2048]|${BUDGET_1B:-70}" "$big|[8192]|${BUDGET_1B:-70}" "[${every%, }]|[2048]|${BUDGET_400M:-70}")
     TOKENS=16384 STEPS=4 WARMUP=2
 fi
+# Mesa with a tolerance: each chunk's CG stops once all its tokens reach a relative residual of 1e-4.
+sed -e "/^  mixer: mesa/a\  mixer_options: {mesa: {cg_tol: 1.0e-4}}" "$MESA_CONFIG" > "$OUT/mesa-1b-cg_tol.yaml"
+[ "$SMOKE" = 1 ] && RUNS+=("[$OUT/mesa-1b-cg_tol.yaml]|[16]|60")
 part=0
 for run in "${RUNS[@]}"; do
     IFS='|' read -r configs lengths budget <<< "$run"

@@ -20,6 +20,9 @@ the timed call (lm pads internally too) and the output cut back, which changes n
 What can still differ is rounding: lm sums log forget gates per segment where the peer subtracts cumulative sums,
 and lm detaches the stabiliser m from autograd where the peer differentiates through it (exact for eps = 0, O(eps)
 otherwise). The reported max abs differences of outputs and input gradients show how small that is.
+
+Mesa: lm.ops.mesa vs flash-linear-attention's chunk_mesa_net (bench/mesa_peer.py), at equal CG steps, each with its
+error against the float64 solve.
 """
 
 import importlib.metadata
@@ -29,6 +32,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from bench.mesa_peer import bench_mesa, print_mesa_table
 from bench.mixer_speed import forward_backward, op_inputs
 from bench.timing import best_interleaved
 from bench.train_speed import device_name
@@ -47,6 +51,9 @@ GPT_DIFFERENCES = [
     "litgpt's RMSNorm is Python code that upcasts to float32; lm uses torch.nn.RMSNorm",
     "init differs in each library, but lm's weights are copied into the litgpt model here",
 ]
+
+
+PEERS = ("litgpt", "mlstm_kernels", "fla")  # GPT, mLSTM and Mesa
 
 
 def import_peers():
@@ -189,10 +196,13 @@ def bench_mlstm(native, lengths, d_model, n_heads, batch, repeats, device) -> di
 def bench_peers(d_model: int = 512, n_layers: int = 4, n_heads: int = 8, head_dim: int = 64, vocab_size: int = 8192,
                 seq_len: int = 256, batch: int = 8, steps: int = 2, warmup: int = 1,
                 mlstm_lengths: list[int] = [512, 2048, 8192], mlstm_batch: int = 1,  # noqa: B006
+                mesa_lengths: list[int] = [2048], mesa_heads: int = 12, mesa_head_dim: int = 128,  # noqa: B006
+                mesa_batch: int = 1, cg_steps: int = 30, mesa_backend: str = "auto", peers: list[str] = list(PEERS),  # noqa: B006
                 repeats: int = 3, threads: int | None = None, json_out: str | None = None) -> dict:
-    """lm vs litgpt's GPT (training steps) and mlstm_kernels' native mLSTM (forward + backward), as ratios in one run.
+    """lm vs litgpt's GPT (training steps), mlstm_kernels' native mLSTM and fla's chunk_mesa_net (forward + backward),
+    as ratios in one run.
 
-    Speed ratios (lm_vs_litgpt, lm_vs_native) are lm's speed over the peer's: above 1, lm is faster.
+    Speed ratios (lm_vs_litgpt, lm_vs_native, lm_vs_fla) are lm's speed over the peer's: above 1, lm is faster.
 
     Args:
         d_model: Width of the residual stream (both GPTs) and of the mLSTM mixer whose head shapes the op gets.
@@ -207,41 +217,71 @@ def bench_peers(d_model: int = 512, n_layers: int = 4, n_heads: int = 8, head_di
         warmup: Untimed training steps of each model first.
         mlstm_lengths: Sequence lengths T of the mLSTM comparison.
         mlstm_batch: Sequences per mLSTM call.
+        mesa_lengths: Sequence lengths T of the Mesa comparison (fla's runs on CUDA only).
+        mesa_heads: Heads of the Mesa comparison (default: the 1B config's 12).
+        mesa_head_dim: K = V of the Mesa comparison (default: the 1B config's 128, fla's largest).
+        mesa_batch: Sequences per Mesa call.
+        cg_steps: CG steps of both Mesa ops.
+        mesa_backend: lm's Mesa backend ("auto": the Triton kernels on CUDA; "triton" on the CPU with
+            TRITON_INTERPRET=1 measures the kernels' error there, their time meaning nothing).
+        peers: Which peers to run, of litgpt (GPT), mlstm_kernels (mLSTM) and fla (Mesa; the Mesa comparison alone
+            needs neither litgpt nor mlstm_kernels, and measures lm's error where fla cannot run).
         repeats: Timed rounds (GPT blocks, mLSTM calls); the best of each side counts.
         threads: CPU threads for torch (torch.set_num_threads); None keeps torch's default.
         json_out: Also write the result as JSON to this path.
     """
-    if min(steps, batch, seq_len, repeats, mlstm_batch) < 1 or warmup < 0 or min(mlstm_lengths, default=0) < 1:
-        raise UserError(f"need steps, batch, seq_len, repeats, mlstm_batch >= 1, warmup >= 0 and mlstm_lengths (at "
-                        f"least one) >= 1; got {steps}, {batch}, {seq_len}, {repeats}, {mlstm_batch}, {warmup}, "
-                        f"{mlstm_lengths}")
-    GPT, Config, native = import_peers()
+    if min(steps, batch, seq_len, repeats, mlstm_batch, mesa_batch, mesa_heads, mesa_head_dim, cg_steps) < 1 \
+            or warmup < 0 or min(mlstm_lengths, default=0) < 1 or min(mesa_lengths, default=0) < 1:
+        raise UserError(f"need steps, batch, seq_len, repeats, mlstm_batch, mesa_batch, mesa_heads, mesa_head_dim, "
+                        f"cg_steps >= 1, warmup >= 0 and mlstm_lengths, mesa_lengths (at least one each) >= 1; got "
+                        f"{steps}, {batch}, {seq_len}, {repeats}, {mlstm_batch}, {mesa_batch}, {mesa_heads}, "
+                        f"{mesa_head_dim}, {cg_steps}, {warmup}, {mlstm_lengths}, {mesa_lengths}")
+    if not peers or set(peers) - set(PEERS):
+        raise UserError(f"peers must be some of {list(PEERS)}, got {peers}")
+    if {"litgpt", "mlstm_kernels"} & set(peers):
+        GPT, Config, native = import_peers()
     if threads is not None:
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    result = {
-        "device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "litgpt": importlib.metadata.version("litgpt"), "mlstm_kernels": importlib.metadata.version("mlstm_kernels"),
-        "gpt": bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch, steps, warmup,
-                         repeats, device),
-        "mlstm_op": bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device),
-    }  # fmt: skip
+    result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if "litgpt" in peers:
+        result["litgpt"] = importlib.metadata.version("litgpt")
+        result["gpt"] = bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch, steps,
+                                  warmup, repeats, device)
+    if "mlstm_kernels" in peers:
+        result["mlstm_kernels"] = importlib.metadata.version("mlstm_kernels")
+        result["mlstm_op"] = bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device)
+    if "fla" in peers:
+        result["mesa_op"] = bench_mesa(mesa_lengths, mesa_heads, mesa_head_dim, mesa_batch, cg_steps, repeats, device,
+                                       mesa_backend)
 
     print(json.dumps(result, indent=2))
-    g, m = result["gpt"], result["mlstm_op"]
+    if "litgpt" in peers:
+        print_gpt_table(result, d_model, n_layers, seq_len, batch)
+    if "mlstm_kernels" in peers:
+        print_mlstm_table(result["mlstm_op"], n_heads)
+    if "fla" in peers:
+        print_mesa_table(result["mesa_op"])
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def print_gpt_table(result: dict, d_model: int, n_layers: int, seq_len: int, batch: int) -> None:
+    g = result["gpt"]
     print(f"\nGPT training step ({result['device']}, {g['params_lm'] / 1e6:.2f}M params each, "
           f"{g['flops_per_token'] / 1e6:.1f} MFLOP/token, logits agree to {g['logits_max_abs_diff']:.1e})\n")
     print("| d_model | n_layers | seq_len | batch | lm tokens/s | litgpt tokens/s | lm / litgpt |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {d_model} | {n_layers} | {seq_len} | {batch} | {g['tokens_per_s_lm']:,.0f} "
           f"| {g['tokens_per_s_litgpt']:,.0f} | {g['lm_vs_litgpt']:.2f} |")
+
+
+def print_mlstm_table(m: dict, n_heads: int) -> None:
     print(f"\nmLSTM forward + backward (float32, H {n_heads}, K {m['K']}, V {m['V']}, chunk {m['chunk_size']})\n")
     print("| T | lm ms | native ms | lm speed / native | max abs diff out | max abs diff grads |")
     print("|---|---|---|---|---|---|")
     for r in m["rows"]:
         print(f"| {r['T']} | {r['lm_ms']:.1f} | {r['native_ms']:.1f} | {r['lm_vs_native']:.2f} "
               f"| {r['out_max_abs_diff']:.1e} | {r['grad_max_abs_diff']:.1e} |")
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=2)
-    return result

@@ -1,12 +1,18 @@
-"""Shared fixtures: a prepared copy of the bundled corpus (small vocabulary) and offline settings."""
+"""Shared fixtures: a prepared copy of the bundled corpus (small vocabulary), offline settings, and Triton's
+interpreter on a machine without CUDA."""
 
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The interpreter runs lm's Triton kernels on the CPU (tests/test_op_mesa_triton.py). Triton reads this when it is
+# first imported, by whichever test imports it first, so it is set before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,8 @@ from bench.peers import bench_peers, compare_mlstm, import_peers
 from lm.cli import main
 
 TINY = dict(d_model=64, n_layers=2, n_heads=2, head_dim=32, vocab_size=256, seq_len=32, batch=2, steps=1, warmup=1,
-            mlstm_lengths=[64, 100], repeats=1)  # 100: a ragged last chunk, which the native peer cannot take as is
+            mlstm_lengths=[64, 100], repeats=1,  # 100: a ragged last chunk, which the native peer cannot take as is
+            mesa_lengths=[40], mesa_heads=2, mesa_head_dim=8, mesa_batch=1, cg_steps=12)
 
 
 @pytest.fixture
@@ -40,10 +41,26 @@ def test_bench_peers_figures(tmp_path, capsys, one_thread):
         assert r["out_max_abs_diff"] < 1e-5  # float32, outputs of size ~1
         # Gradients differ by O(eps): lm detaches the stabiliser m, the peer differentiates through it.
         assert r["grad_max_abs_diff"] < 1e-3
+    mesa = result["mesa_op"]
+    assert (mesa["K"], mesa["cg_steps"], [r["T"] for r in mesa["rows"]]) == (8, 12, [40])
+    assert mesa["fla"].startswith("not run")  # no CUDA here
+    (row,) = mesa["rows"]
+    assert row["lm_ms"] > 0 and "fla_ms" not in row
+    assert row["exact_residual_max"] < 1e-12 and row["lm_error"] < 1e-5  # float32 CG, 12 steps > K
     assert json.loads(out.read_text()) == result
     printed = capsys.readouterr().out
     assert json.loads(printed[: printed.index("\nGPT training step")]) == result
-    assert "| lm / litgpt |" in printed and "| lm speed / native |" in printed
+    assert "| lm / litgpt |" in printed and "| lm speed / native |" in printed and "| lm speed / fla |" in printed
+
+
+def test_mesa_peer_alone_measures_the_error_of_a_truncated_solve(one_thread):
+    # Neither litgpt nor mlstm_kernels is needed for the Mesa comparison; its error is against the float64 solve, so
+    # 2 CG steps are measurably worse than 12.
+    shape = dict(mesa_lengths=[40], mesa_heads=2, mesa_head_dim=8, repeats=1, threads=one_thread, peers=["fla"])
+    short = bench_peers(**shape, cg_steps=2)
+    full = bench_peers(**shape, cg_steps=12)
+    assert "gpt" not in short and "mlstm_op" not in short and "mesa_op" in short
+    assert short["mesa_op"]["rows"][0]["lm_error"] > 100 * full["mesa_op"]["rows"][0]["lm_error"]
 
 
 def test_mlstm_peers_agree_exactly_in_float64_without_eps():

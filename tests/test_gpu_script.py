@@ -24,7 +24,11 @@ def test_gpu_script_smoke(tmp_path):
     assert "5 skipped" in (tmp_path / "gpu-tests.txt").read_text()  # each GPU test file, skipped on a CPU
     rows = json.loads((tmp_path / "gpu-train.json").read_text())["rows"]
     assert [(r["mixer"], r["seq_len"], r["status"]) for r in rows] == [
-        ("attention", 16, "ok"), ("attention", 40, "ok"), ("gated_deltanet", 16, "ok"), ("gated_deltanet", 40, "ok")]
+        ("attention", 16, "ok"), ("attention", 40, "ok"), ("gated_deltanet", 16, "ok"), ("gated_deltanet", 40, "ok"),
+        ("mesa", 16, "ok")]
+    assert rows[-1]["model"].endswith("mesa-1b-cg_tol.yaml")  # Mesa with cg_tol 1e-4
+    mesa = json.loads((tmp_path / "mesa-peer.json").read_text())["mesa_op"]
+    assert mesa["rows"][0]["lm_error"] < 1e-5 and "| lm speed / fla |" in (tmp_path / "mesa-peer.md").read_text()
     assert all(r["mfu_datasheet"] > 0 and r["first_step_s"] > 0 for r in rows)
     assert "| MFU (datasheet) |" in (tmp_path / "gpu-train.md").read_text()
     assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
@@ -38,3 +42,4 @@ def test_gpu_script_fails_without_its_wheels(tmp_path):
     proc = gpu_script(tmp_path / "broken", WHEELS=str(tmp_path / "wheels"))
     assert proc.returncode == 1 and "FAIL wheel install" in proc.stdout
     assert not (tmp_path / "broken" / "gpu-tests.txt").exists()  # it stopped before the tests
+

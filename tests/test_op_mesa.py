@@ -16,12 +16,15 @@ B, H, K, V = 2, 3, 6, 5
 EXACT_STEPS = K + 6  # CG solves a K x K system in K steps in exact arithmetic; a few more absorb rounding
 
 
-def reference(q, k, v, log_gamma, beta, lam, initial_state):
-    """The layer written out token by token with an exact solve, independently of the op."""
+def reference(q, k, v, log_gamma, beta, lam, initial_state, reset=None):
+    """The layer written out token by token with an exact solve, independently of the op; a reset clears both
+    states before its step."""
     G, Hs = initial_state
     outs = []
     for t in range(q.shape[1]):
         gamma = log_gamma[:, t].exp()[:, :, None, None]
+        if reset is not None:
+            gamma = gamma * (~reset[:, t]).to(gamma.dtype)[:, None, None, None]
         k_beta = beta[:, t, :, None] * k[:, t]
         G = gamma * G + v[:, t, :, :, None] * k_beta[:, :, None, :]  # + beta v k^T: [B, H, V, K]
         Hs = gamma * Hs + k_beta[:, :, :, None] * k[:, t, :, None, :]  # + beta k k^T: [B, H, K, K]
@@ -71,15 +74,15 @@ def assert_close(a, b, tol, msg=None):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=msg)
 
 
-def realistic_inputs(T, Kd, dtype=torch.float32, seed=0, b=2, h=2):
+def realistic_inputs(T, Kd, dtype=torch.float32, seed=0, b=2, h=2, Vd=None):
     """The setting of the paper: L2-normalised q and k, beta = sigmoid, gamma = sigmoid(. + 3), lam = 0.25 +
-    softplus, so lam is about 1."""
+    softplus, so lam is about 1. V = K unless Vd is given."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
     return dict(
         q=F.normalize(rand(b, T, h, Kd), dim=-1),
         k=F.normalize(rand(b, T, h, Kd), dim=-1),
-        v=rand(b, T, h, Kd),
+        v=rand(b, T, h, Vd or Kd),
         log_gamma=F.logsigmoid(rand(b, T, h) + 3),
         beta=torch.sigmoid(rand(b, T, h)),
         lam=0.25 + F.softplus(rand(h, Kd)),

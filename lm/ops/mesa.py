@@ -41,7 +41,9 @@ are linear-attention states, so every piece above (the matvecs, the readout, the
 `linear_attention` does.
 """
 
+import functools
 import math
+import os
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -57,9 +59,12 @@ from lm.ops.common import (
     keep_state,
     to_head_chunks,
 )
-from lm.ops.fla import BACKENDS
+from lm.ops.fla import warn_once
 from lm.ops.fla_mesa import fla_mesa, fla_mesa_check
+from lm.ops.kernel_packages import import_kernels
 from lm.ops.linear_attention import linear_attention
+
+BACKENDS = ("auto", "torch", "triton", "fla")
 
 MesaState = tuple[torch.Tensor, torch.Tensor]  # (G [B, H, V, K], H [B, H, K, K])
 
@@ -95,26 +100,70 @@ def mesa(
     0 steps, residual 1.
     cg_steps: most CG steps per token (0: plain gated linear attention with query q); cg_tol: relative residual at
     which a token stops early (None: always cg_steps steps). The backward's adjoint solve uses both as well.
-    backend: "torch" (this code), "fla" (flash-linear-attention's chunk_mesa_net: CUDA, bf16/fp16, V == K, fixed
-    step count, no info, no resets; see lm/ops/fla_mesa.py) or "auto", which is this code: fla's solver is not the
-    same algorithm (other warm start, damped step sizes), so it is only used when asked for. With cg_steps=0 the
-    backend is passed on to `linear_attention`.
+    backend: "torch" (this code), "triton" (lm's kernels, lm/ops/mesa_triton.py: the same CG step for step, each
+    chunk's iterations in one program; K <= 128 and V <= 256; CUDA, or the CPU under TRITON_INTERPRET=1; their chunk
+    is `kernel_chunk(chunk_size, K, V)`), "fla" (flash-linear-attention's chunk_mesa_net: CUDA, bf16/fp16, V == K,
+    fixed step count, no info, no resets; see lm/ops/fla_mesa.py) or "auto": triton on CUDA where Triton imports and
+    takes the head sizes (saying once when not), else this code. fla's solver is not the same algorithm (other warm
+    start, damped step sizes), so it is only used when asked for. With cg_steps=0 the backend is passed on to
+    `linear_attention` ("triton" as "auto").
     """
     _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
-    if backend not in BACKENDS:
-        raise ValueError(f"mesa: backend must be one of {BACKENDS}, got {backend!r}")
+    backend = _resolve_backend(backend, q.is_cuda, q.shape[-1], v.shape[-1])
     if cg_steps == 0:
         return _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, reset, chunk_size, return_info,
-                                         backend)
+                                         "auto" if backend == "triton" else backend)
     if backend == "fla":
         fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info, reset=reset)
         return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
 
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
-    out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info)
+    solver = _TritonSolver(chunk_size) if backend == "triton" else _TorchSolver(chunk_size)
+    out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, solver, info)
     return (out, (G, H), info) if return_info else (out, (G, H))
+
+
+def _resolve_backend(backend: str, on_cuda: bool, K: int, V: int) -> str:
+    """"auto" -> "triton" for CUDA inputs where Triton imports and the kernels take the head sizes, else "torch" (said
+    once on CUDA: a several times slower fallback is never silent); an explicit "triton" must be able to run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"mesa: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if not on_cuda:
+            return "torch"
+        kernels = _triton_kernels()
+        why = "Triton does not import (install lm[gpu])" if kernels is None else kernels.unsupported(K, V)
+        if why is not None:
+            warn_once(f"mesa: the Mesa layer runs its torch code on CUDA, several times slower than its Triton "
+                      f"kernels: {why}.")
+            return "torch"
+        return "triton"
+    if backend == "triton":
+        kernels = _triton_kernels()
+        if kernels is None:
+            raise RuntimeError("mesa: backend='triton' needs Triton; install lm[gpu] (or lm[dev], for the CPU "
+                               "interpreter)")
+        if kernels.unsupported(K, V):
+            raise ValueError(f"mesa: backend='triton': {kernels.unsupported(K, V)}; use backend='torch'")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("mesa: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels "
+                               "on the CPU")
+    return backend
+
+
+@functools.cache
+def _triton_kernels():
+    """lm.ops.mesa_triton, or None where Triton is not installed (imported on first use: TRITON_INTERPRET is read
+    when the kernels are defined)."""
+
+    def load():
+        from lm.ops import mesa_triton
+
+        return mesa_triton
+
+    return import_kernels(load)
 
 
 @torch.compiler.disable(reason="mesa's autograd Function writes its CG telemetry into a dict in forward and backward")
@@ -273,9 +322,10 @@ def _true_residual(matvec, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _solve_stats(iterations: torch.Tensor, residual: torch.Tensor, diag_h: torch.Tensor, lam: torch.Tensor,
                  prefix: str = "") -> dict:
-    """The info dict of `return_info=True` from per-token results of one solve (iterations, true relative residual
-    [B, T, H], diag(H_t) [B, T, H, K]), as detached 0-dim float32 tensors (no device sync): mean CG steps, mean and
-    max residual, and max diag(H_t) / min lam (see `mesa`). `prefix` names the adjoint solve's entries."""
+    """The info dict of `return_info=True` from per-token results of one solve (iterations and true relative residual
+    [B, T, H] in any layout; diag(H_t) [B, T, H, K], or any tensor holding its largest values), as detached 0-dim
+    float32 tensors (no device sync): mean CG steps, mean and max residual, and max diag(H_t) / min lam (see `mesa`).
+    `prefix` names the adjoint solve's entries."""
     stats = {
         "iterations": iterations.detach().float().mean(),
         "residual": residual.detach().float().mean(),
@@ -359,40 +409,87 @@ def _solve(H_op: _ChunkedKeyState, lam: torch.Tensor, b: torch.Tensor, steps: in
     return from_head_chunks(x, T)
 
 
-class _MesaFunction(torch.autograd.Function):
-    """Forward: warm-started chunkwise CG and the readout. Backward: the adjoint CG solve and the surrogate (see the
-    module docstring); the forward iterations are not unrolled, only x is kept."""
+class _TorchSolver:
+    """The forward solve with its readout, and the adjoint solve, in the torch code (the reference)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, chunk_size, info):
-        dtype = G0.dtype
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+
+    def forward(self, q, k, v, log_gamma, beta, lam, G0, H0, reset, steps, tol, info):
+        """(out = G_t x_t in q's dtype, x = A_t^{-1} q_t, G_T, H_T), the solve's statistics into `info`."""
+        dtype, chunk_size = G0.dtype, self.chunk_size
         H_op = _ChunkedKeyState(k, log_gamma, beta, H0, reset, chunk_size, dtype)
-        x = _solve(H_op, lam.to(dtype), q, cg_steps, cg_tol, chunk_size, info)
+        x = _solve(H_op, lam.to(dtype), q, steps, tol, chunk_size, info)
         out, G_T = linear_attention(x, k, v, log_gamma, beta, initial_state=G0.mT, reset=reset, chunk_size=chunk_size,
                                     backend="torch")
+        return out.to(q.dtype), x, G_T.mT.contiguous(), H_op.final
+
+    def adjoint(self, d_out, k, v, log_gamma, beta, lam, G0, H0, reset, steps, tol, info):
+        """e_t = A_t^{-1} G_t^T do_t. G_t^T do_t is linear attention with do as query, the values as keys and the keys
+        as values (state G_t itself, [V, K])."""
+        dtype, chunk_size = G0.dtype, self.chunk_size
+        rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0, reset=reset,
+                                  chunk_size=chunk_size, backend="torch")
+        H_op = _ChunkedKeyState(k, log_gamma, beta, H0, reset, chunk_size, dtype)  # recomputed: cheap, saves memory
+        return _solve(H_op, lam.to(dtype), rhs, steps, tol, chunk_size, info, prefix="adjoint_")
+
+
+class _TritonSolver:
+    """The same two solves by lm's Triton kernels (lm/ops/mesa_triton.py): the chunk-entry states once per solve,
+    then one program per (chunk, batch x head) runs all its CG steps, the forward's readout and the adjoint's
+    right-hand side included. The surrogate's linear attention stays the torch code's (`chunk_size`)."""
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.kernels = _triton_kernels()
+
+    def entry_states(self, k, v, log_gamma, beta, G0, H0, reset):
+        """The kernels' chunk, (G entering every chunk, G_T), (H entering every chunk, H_T)."""
+        chunk = self.kernels.kernel_chunk(self.chunk_size, k.shape[-1], v.shape[-1])
+        states = self.kernels.chunk_entry_states
+        return (chunk, states(k, v, log_gamma, beta, G0, reset, chunk, G0.dtype),
+                states(k, k, log_gamma, beta, H0, reset, chunk, H0.dtype))
+
+    def forward(self, q, k, v, log_gamma, beta, lam, G0, H0, reset, steps, tol, info):
+        chunk, (G_in, G_T), (H_in, H_T) = self.entry_states(k, v, log_gamma, beta, G0, H0, reset)
+        x, out, stats = self.kernels.chunk_solve(q, k, v, log_gamma, beta, lam, G_in, H_in, reset, chunk, steps, tol,
+                                                 adjoint=False, out_dtype=q.dtype)
+        if info is not None:
+            info.update(_solve_stats(*stats, lam))
+        return out, x, G_T, H_T
+
+    def adjoint(self, d_out, k, v, log_gamma, beta, lam, G0, H0, reset, steps, tol, info):
+        chunk, (G_in, _), (H_in, _) = self.entry_states(k, v, log_gamma, beta, G0, H0, reset)
+        e, _, stats = self.kernels.chunk_solve(d_out, k, v, log_gamma, beta, lam, G_in, H_in, reset, chunk, steps, tol,
+                                               adjoint=True, out_dtype=G0.dtype)
+        if info is not None:
+            info.update(_solve_stats(*stats, lam, prefix="adjoint_"))
+        return e
+
+
+class _MesaFunction(torch.autograd.Function):
+    """Forward: warm-started chunkwise CG and the readout. Backward: the adjoint CG solve and the surrogate (see the
+    module docstring); the forward iterations are not unrolled, only x is kept. `solver` does the two solves."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, solver, info):
+        out, x, G_T, H_T = solver.forward(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, info)
         ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
-        ctx.settings = (reset, cg_steps, cg_tol, chunk_size, q.dtype, info)
+        ctx.settings = (reset, cg_steps, cg_tol, solver, q.dtype, info)
         ctx.set_materialize_grads(False)
-        return out.to(q.dtype), G_T.mT.contiguous(), H_op.final
+        return out, G_T, H_T
 
     @staticmethod
     @once_differentiable
     @autocast_off()
     def backward(ctx, d_out, d_G, d_H):
         k, v, log_gamma, beta, lam, G0, H0, x = ctx.saved_tensors
-        reset, cg_steps, cg_tol, chunk_size, q_dtype, info = ctx.settings
-        dtype = x.dtype
+        reset, cg_steps, cg_tol, solver, q_dtype, info = ctx.settings
         e = None
         if d_out is not None:
-            # Adjoint: e_t = A_t^{-1} G_t^T do_t. G_t^T do_t is linear attention with do as query, the values as keys
-            # and the keys as values (state G_t itself, [V, K]).
-            rhs, _ = linear_attention(d_out.to(dtype), v, k, log_gamma, beta, initial_state=G0, reset=reset,
-                                      chunk_size=chunk_size, backend="torch")
-            H_op = _ChunkedKeyState(k, log_gamma, beta, H0, reset, chunk_size, dtype)  # recomputed: cheap, saves memory
-            e = _solve(H_op, lam.to(dtype), rhs, cg_steps, cg_tol, chunk_size, info, prefix="adjoint_")
-        grads = _surrogate_grads(
-            (k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G, d_H, reset, chunk_size
-        )
+            e = solver.adjoint(d_out, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, info)
+        grads = _surrogate_grads((k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G,
+                                 d_H, reset, solver.chunk_size)
         dq = e.to(q_dtype) if e is not None and ctx.needs_input_grad[0] else None
         return (dq, *grads, None, None, None, None, None)
 
