@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install lint clean gpu-wheels
+.PHONY: demo test test-all install lint clean gpu-wheels gpu-triton
 
 # The benchmark peers (lm bench peers) go in without their dependencies: litgpt pins jsonargparse and huggingface_hub.
 $(STAMP): pyproject.toml Makefile
@@ -39,11 +39,18 @@ GPU_WHEELS = jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15
 	fla-core==0.6.0 mlstm_kernels==2.0.6 liger-kernel==0.8.5 hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 \
 	annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 gpu-wheels: $(STAMP)
-	rm -rf .whl && mkdir -p .whl
+	mkdir -p .whl && rm -f .whl/*.whl
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl $(GPU_WHEELS)
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==0.19.8"
+
+# Triton 3.7.1 for the GPU machine, whose Triton 3.6.0 miscompiles fla's gated backward on Hopper (fla refuses it):
+# stripped and without the CUDA tools, which bench/gpu.sh takes from the image's Triton, so that it travels with the
+# wheels (.whl/triton-3.7.1-minimal.tar.xz; `make gpu-wheels` replaces the wheels and leaves it).
+gpu-triton: $(STAMP)
+	PIP="$(BIN)/pip" bench/triton_minimal.sh .whl
+	du -sh .whl
 
 clean:
 	rm -rf $(VENV) runs/demo

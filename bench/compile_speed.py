@@ -5,9 +5,12 @@ Each mixer's model is built twice with the same weights: one runs eagerly, the o
 random tokens. The first compiled step (tracing and code generation, forward and backward) is the compile time; then
 the two models take turns (bench/timing.py), and each side's best step counts. Inductor's on-disk cache starts empty
 (a temporary directory), so the first mixer's compile time is a cold one. The graph breaks are counted by
-torch._dynamo.explain on one block's forward, with their reasons.
+torch._dynamo.explain on one block's forward, with their reasons. On CUDA the steps run under bf16 autocast, as
+bf16-mixed training does, and each row is written to the JSON as it ends, so that a time limit keeps the finished
+rows.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -18,7 +21,7 @@ import torch
 import torch._dynamo
 
 from bench.timing import best_interleaved
-from bench.train_speed import device_name, packed_windows, write_json
+from bench.train_speed import device_name, packed_windows, sync, write_json
 from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
@@ -42,23 +45,26 @@ def graph_breaks(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, list[str
 
 def compare(cfg: LMConfig, windows: torch.Tensor, repeats: int, backend: str) -> dict:
     """One mixer's row: eager and compiled step times, first compiled step, loss difference, graph breaks."""
-    eager = LanguageModel(cfg)
+    device = windows.device
+    eager = LanguageModel(cfg).to(device)
     compiled = copy.deepcopy(eager)
     for block in compiled.blocks:
         block.compile(backend=backend)
 
     def step(model):
-        loss = next_token_loss(model, windows)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext():
+            loss = next_token_loss(model, windows)
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.detach()
 
     eager_loss = step(eager)  # warm-up
+    sync(device)
     t0 = time.perf_counter()
     compiled_loss = step(compiled)
+    sync(device)
     first_s = time.perf_counter() - t0
-    best = best_interleaved({"eager": lambda: step(eager), "compiled": lambda: step(compiled)}, repeats,
-                            torch.device("cpu"))
+    best = best_interleaved({"eager": lambda: step(eager), "compiled": lambda: step(compiled)}, repeats, device)
     with torch.no_grad():
         x = eager.embed(windows[:, :-1])
     breaks, reasons = graph_breaks(eager.blocks[0], x)
@@ -92,6 +98,11 @@ def bench_compile(mixers: list[str] | None = None, d_model: int = 256, n_layers:
     if unknown or repeats < 1 or min(d_model, n_layers, head_dim, seq_len, batch) < 1:
         raise UserError(f"--mixers must be among {', '.join(MIXERS)} (unknown: {unknown}); sizes and repeats >= 1")
     rows = []
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "dtype": "bf16 autocast" if device.type == "cuda" else "fp32", "backend": backend, "d_model": d_model,
+              "n_layers": n_layers, "head_dim": head_dim, "seq_len": seq_len, "batch": batch,
+              "vocab_size": vocab_size, "repeats": repeats, "rows": rows}
     old_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a cold compile, not one served from an earlier run's cache
@@ -100,23 +111,21 @@ def bench_compile(mixers: list[str] | None = None, d_model: int = 256, n_layers:
                 torch.manual_seed(0)
                 cfg = LMConfig(mixer=mixer, d_model=d_model, n_layers=n_layers, n_heads=max(1, d_model // head_dim),
                                head_dim=head_dim, vocab_size=vocab_size, max_seq_len=seq_len)
-                windows = packed_windows(vocab_size, batch, seq_len, seq_len, torch.device("cpu"))
+                windows = packed_windows(vocab_size, batch, seq_len, seq_len, device)
                 torch._dynamo.reset()
                 try:
                     row = {"mixer": mixer, "status": "ok", **compare(cfg, windows, repeats, backend)}
                 except Exception as err:  # noqa: BLE001  (a failing mixer is a result; the others go on)
                     row = {"mixer": mixer, "status": f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"}
                 rows.append(row)
+                if json_out:  # what is done so far, should a time limit stop the rest
+                    write_json(json_out, result)
         finally:
             torch._dynamo.reset()
             if old_cache is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = old_cache
-    result = {"device": device_name(torch.device("cpu")), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "backend": backend, "d_model": d_model, "n_layers": n_layers,
-              "head_dim": head_dim, "seq_len": seq_len, "batch": batch, "vocab_size": vocab_size, "repeats": repeats,
-              "rows": rows}
 
     print(json.dumps(result, indent=2))
     print("\n| mixer | params | eager ms | compiled ms | eager / compiled | first compiled step s | graph breaks "

@@ -42,14 +42,22 @@ def signature(pointers, integers, constexprs, fp_args=()) -> dict:
     return sig
 
 
+def cuobjdump() -> str:
+    """Triton's cuobjdump (TRITON_CUOBJDUMP_PATH, else its own), else the one beside TRITON_PTXAS_PATH: a Triton packed
+    by bench/triton_minimal.sh carries none."""
+    try:
+        return triton.knobs.nvidia.cuobjdump.path
+    except RuntimeError:
+        return os.path.join(os.path.dirname(os.environ.get("TRITON_PTXAS_PATH", "")), "cuobjdump")
+
+
 def binary_resources(cubin: bytes) -> dict:
     """Registers and stack bytes per thread of the compiled kernel, from `cuobjdump --dump-resource-usage`."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True,
+        usage = subprocess.run([cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
                                check=True).stdout
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1))}

@@ -31,15 +31,16 @@ def two_step_losses(compile: bool) -> list[float]:
     return losses
 
 
-def test_inductor_compiled_training_steps_equal_eager(monkeypatch):
+def test_inductor_compiled_training_steps_equal_eager():
     # One compile worker (TORCHINDUCTOR_COMPILE_THREADS=1, read when inductor's config is first imported): no pool of
-    # subprocesses to start on a small machine.
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    # subprocesses to start on a small machine. Through the config's own patch: monkeypatch's undo hides a torch config
+    # entry for the rest of the process ("compile_threads does not exist" in the next inductor compile).
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        eager = two_step_losses(compile=False)
-        compiled = two_step_losses(compile=True)
+        with torch._inductor.config.patch(compile_threads=1):
+            eager = two_step_losses(compile=False)
+            compiled = two_step_losses(compile=True)
         inductor = dict(torch._dynamo.utils.counters["inductor"])
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     finally:

@@ -21,7 +21,7 @@ def test_gpu_script_smoke(tmp_path):
     proc = gpu_script(tmp_path, SMOKE="1")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "torch " in (tmp_path / "env.txt").read_text()
-    assert "5 skipped" in (tmp_path / "gpu-tests.txt").read_text()  # each GPU test file, skipped on a CPU
+    assert "7 skipped" in (tmp_path / "gpu-tests.txt").read_text()  # the GPU test files and the CUDA flex tests
     rows = json.loads((tmp_path / "gpu-train.json").read_text())["rows"]
     assert [(r["mixer"], r["seq_len"], r["status"]) for r in rows] == [
         ("attention", 16, "ok"), ("attention", 40, "ok"), ("gated_deltanet", 16, "ok"), ("gated_deltanet", 40, "ok"),
@@ -34,6 +34,19 @@ def test_gpu_script_smoke(tmp_path):
     assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
 
 
+def test_gpu_script_second_call_smoke(tmp_path):
+    """CALL=2: no tests and no Mesa peer; the 1B rows at the long length, then trainer.compile per mixer."""
+    proc = gpu_script(tmp_path, SMOKE="1", CALL="2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not (tmp_path / "gpu-tests.txt").exists() and not (tmp_path / "mesa-peer.json").exists()
+    rows = json.loads((tmp_path / "gpu-train.json").read_text())["rows"]
+    assert [(r["mixer"], r["seq_len"], r["status"]) for r in rows] == [("attention", 24, "ok"),
+                                                                      ("gated_deltanet", 24, "ok")]
+    compiled = json.loads((tmp_path / "compile.json").read_text())["rows"]
+    assert [(r["mixer"], r["status"]) for r in compiled] == [("attention", "ok")]
+    assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
+
+
 def test_gpu_script_fails_without_its_wheels(tmp_path):
     (tmp_path / "wheels").mkdir()
     proc = gpu_script(tmp_path / "none", WHEELS=str(tmp_path / "wheels"))
@@ -43,3 +56,36 @@ def test_gpu_script_fails_without_its_wheels(tmp_path):
     assert proc.returncode == 1 and "FAIL wheel install" in proc.stdout
     assert not (tmp_path / "broken" / "gpu-tests.txt").exists()  # it stopped before the tests
 
+
+def test_gpu_script_puts_a_packed_triton_first(tmp_path):
+    """`make gpu-triton`'s tarball goes on the path ahead of the machine's Triton, which lends it its ptxas."""
+    import base64
+    import hashlib
+    import io
+    import tarfile
+    import zipfile
+
+    def metadata(name, version):
+        return f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    files = {"tiny/__init__.py": b"", "tiny-1.0.dist-info/METADATA": metadata("tiny", "1.0"),
+             "tiny-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+              f"{len(data)}\n" for name, data in files.items()]
+    files["tiny-1.0.dist-info/RECORD"] = "".join(record + ["tiny-1.0.dist-info/RECORD,,\n"]).encode()
+    with zipfile.ZipFile(wheels / "tiny-1.0-py3-none-any.whl", "w") as whl:
+        for name, data in files.items():
+            whl.writestr(name, data)
+    with tarfile.open(wheels / "triton-9.9.9-minimal.tar.xz", "w:xz") as tar:
+        for name, data in {"triton/__init__.py": b'__version__ = "9.9.9"\n',
+                           "triton-9.9.9.dist-info/METADATA": metadata("triton", "9.9.9")}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    proc = gpu_script(tmp_path / "out", WHEELS=str(wheels), LM_SITE=str(tmp_path / "site"))
+    assert proc.returncode == 1 and "FAIL a kernel package or CUDA is missing" in proc.stdout  # no CUDA here
+    env = (tmp_path / "out" / "env.txt").read_text()
+    assert "triton 9.9.9" in env and f"triton imported 9.9.9 from {tmp_path / 'site' / 'triton'} ptxas /" in env, env
+    assert (tmp_path / "site" / "tiny").is_dir()

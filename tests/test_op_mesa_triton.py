@@ -18,6 +18,7 @@ from test_op_mesa import realistic_inputs, reference  # noqa: E402
 
 from lm.mixers import Mesa  # noqa: E402
 from lm.ops import mesa_triton  # noqa: E402
+from lm.ops.common import warn_once  # noqa: E402
 from lm.ops.mesa import _resolve_backend, mesa  # noqa: E402
 
 NAMES = ("q", "k", "v", "log_gamma", "beta", "lam", "G0", "H0")
@@ -213,6 +214,7 @@ def test_backend_resolution(monkeypatch):
     """"auto": the kernels for CUDA tensors where Triton imports and they take the head sizes, the torch code
     otherwise (said once on CUDA); "triton" refuses CPU tensors unless the interpreter is on, head sizes the kernels
     cannot hold, and a missing Triton."""
+    warn_once.cache_clear()  # another test may have said the same once already
     K, V = 128, 256  # the largest the kernels take
     assert _resolve_backend("auto", False, K, V) == "torch"
     assert _resolve_backend("auto", True, K, V) == "triton"

@@ -2,11 +2,13 @@
 form (SWA), whose cache holds the last window - 1 tokens only."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.mixers.flex_masks import attention_block_mask, flex_attend
 from lm.mixers.layers import decay_group, residual_output, steps_since_reset
 from lm.mixers.protocol import Mixer, MixerOptionError, register
 
@@ -35,10 +37,17 @@ class Attention(Mixer):
     tokens seen so far, and where each row's current document started ([B], or None before any reset); a call with a
     state attends to the cached tokens and to its own tokens causally, at positions that continue after them.
 
-    With `reset` [B, T] (packed documents), a query sees only keys of its own document (a block-diagonal causal mask,
-    through SDPA's attn_mask; cached keys of an earlier document are masked too), and with rope_restart (the default)
-    its rotary position counts from its document's start. RoPE scores depend on position differences only, so the
-    restart changes rounding, not the math: a document sees what it would see alone either way.
+    With `reset` [B, T] (packed documents), a query sees only keys of its own document (a block-diagonal causal mask;
+    cached keys of an earlier document are masked too), and with rope_restart (the default) its rotary position counts
+    from its document's start. RoPE scores depend on position differences only, so the restart changes rounding, not
+    the math: a document sees what it would see alone either way.
+
+    The `kernel` option picks what computes the masked softmax. "sdpa": F.scaled_dot_product_attention, with
+    is_causal for the causal mask and a dense [T, keys] (with documents [B, 1, T, keys]) boolean mask otherwise.
+    "flex": FlexAttention (lm.mixers.flex_masks), which takes the same mask as a mask_mod and skips the key blocks it
+    masks whole, so a window costs T x window rather than T^2 and documents cost no dense mask; it covers the KV cache
+    too. "auto" (the default; the method `kernel` says why): FlexAttention on CUDA for a call without a cache whose
+    mask is more than causal, SDPA otherwise.
 
     Parameters: d_model * head_dim * (2 * n_heads + 2 * n_kv_heads) (q, k, v, out projections, no biases).
     """
@@ -48,6 +57,7 @@ class Attention(Mixer):
         n_kv_heads: int | None = None  # grouped-query heads; None: n_heads
         rope_theta: float = 10000.0
         rope_restart: bool = True  # with resets, rotary positions count from each document's start
+        kernel: Literal["auto", "sdpa", "flex"] = "auto"  # what computes the masked softmax (the class docstring)
 
     window: int | None = None  # keys each query sees, itself included (None: all before it)
     demo_lr = 3e-3
@@ -88,12 +98,27 @@ class Attention(Mixer):
         """q k^T and the weighted sum of v, 2 x 2 x head_dim per key seen, for every query head; 3x training."""
         return (3 if training else 1) * 2 * 2 * n_heads * head_dim * cls.mean_context(seq_len, **options)
 
+    def plain_causal(self, T: int, seen: int, starts: torch.Tensor | None) -> bool:
+        """Whether a call's mask is the causal one: no cache, no documents, and no window shorter than the call."""
+        return seen == 0 and starts is None and (self.window is None or self.window >= T)
+
+    def kernel(self, device: torch.device, T: int, seen: int, starts: torch.Tensor | None = None) -> str:
+        """"sdpa" or "flex" for a call of T tokens after `seen` on `device`: the `kernel` option, or for "auto"
+        FlexAttention on CUDA where a call without a KV cache has more than the causal mask (a window shorter than the
+        call, or documents), which SDPA would take dense and FlexAttention by blocks; SDPA elsewhere: its is_causal
+        kernel for the causal mask, the decoding steps (a new block mask per step), and the CPU, where FlexAttention
+        trains only in its math form, 6 to 10x slower than SDPA, and its compiled inference kernel gains only at long
+        lengths with most blocks masked, after a compile per length (docs/performance.md)."""
+        if self.options.kernel != "auto":
+            return self.options.kernel
+        return "flex" if device.type == "cuda" and seen == 0 and not self.plain_causal(T, seen, starts) else "sdpa"
+
     def allowed(self, T: int, seen: int, cached: int, device, starts: torch.Tensor | None = None):
         """[T, cached + T] bool (or [B, 1, T, cached + T] with document starts): which keys (the cached ones, then the
         T new ones) each new query may see. starts [B, T]: the absolute position where each query's document
         starts; keys before it belong to another document."""
-        if self.window is None and seen == 0 and starts is None:
-            return None  # plain causal: SDPA's is_causal
+        if self.plain_causal(T, seen, starts):
+            return None  # SDPA's is_causal
         query = torch.arange(seen, seen + T, device=device)[:, None]
         key = torch.arange(seen - cached, seen + T, device=device)[None, :]
         mask = key <= query
@@ -125,9 +150,14 @@ class Attention(Mixer):
         if state is not None:
             k = torch.cat([state[0], k], dim=2)
             v = torch.cat([state[1], v], dim=2)
-        mask = self.allowed(T, seen, k.shape[2] - T, x.device, starts)
-        gqa = self.n_kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        cached, gqa = k.shape[2] - T, self.n_kv_heads != self.n_heads
+        if self.kernel(x.device, T, seen, starts) == "flex":
+            document_start = None if starts is None else starts - (seen - cached)  # as indices into k
+            block_mask = attention_block_mask(T, cached, self.window, document_start, x.device)
+            y = flex_attend(q, k, v, block_mask, enable_gqa=gqa)
+        else:
+            mask = self.allowed(T, seen, cached, x.device, starts)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.window is not None:  # the next token sees the last window - 1 of these
             drop = max(0, k.shape[2] - (self.window - 1))

@@ -9,8 +9,10 @@ from lm.mixers.protocol import MixerOptionError, register
 
 @register("swa")
 class SlidingWindowAttention(Attention):
-    """Attention (lm.mixers.attention) with a banded causal mask of `window` keys per query; on CPU and CUDA the
-    mask goes to scaled_dot_product_attention. Parameters: attention's."""
+    """Attention (lm.mixers.attention) with a banded causal mask of `window` keys per query. With the default
+    kernel "auto", the band goes to FlexAttention on CUDA, which computes only the key blocks within it (T x window),
+    and to scaled_dot_product_attention as a dense mask on the CPU and when decoding; the `kernel` option forces
+    either. Parameters: attention's."""
 
     @dataclass
     class Options(Attention.Options):

@@ -1,6 +1,9 @@
-"""Small helpers shared by the chunkwise ops: dtype policy, padding T to a multiple of the chunk size, chunking."""
+"""Small helpers shared by the chunkwise ops: dtype policy, padding T to a multiple of the chunk size, chunking, and
+the notice of a slow fallback."""
 
 import contextlib
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +159,9 @@ def initial_state_or_zeros(
         return initial_state.to(dtype)
     B, _, H, K = q.shape
     return q.new_zeros(B, H, K, V, dtype=dtype)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    """Say `message` once per process: a fallback to slower code is never silent, and never repeated every step."""
+    warnings.warn(message, stacklevel=3)

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from lm.ops.common import warn_once
 from lm.ops.kernel_packages import import_kernels
 
 BACKENDS = ("auto", "torch", "fla")
@@ -88,18 +89,24 @@ def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: 
                 "(or `pip install flash-linear-attention`), or use backend='torch'"
             )
         return True
-    if not (on_cuda and tensors[0].dtype in _FLA_DTYPES and fla_available()):
-        return False
-    if gated_kernel and torch.is_grad_enabled() and fla_refuses_gated_backward(gated_kernel):
-        warn_once(f"{op}: fla refuses the backward of chunk_{gated_kernel} with this Triton on Hopper (fla issue "
-                  "#640); using the torch code. Triton >= 3.7.1 restores fla.")
-        return False
-    return True
+    return on_cuda and auto_uses_fla(op, tensors[0].dtype, gated_kernel)
 
 
-@functools.cache
-def warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) -> bool:
+    """"auto" on CUDA: whether fla takes `op` for inputs of `dtype`. Where it does not, the torch code runs, several
+    times slower, and that is said once with the reason and the fix (`warn_once`)."""
+    reason = fix = None
+    if not fla_available():
+        reason, fix = "flash-linear-attention does not import", "install it with `pip install -e .[gpu]`"
+    elif dtype not in _FLA_DTYPES:
+        reason, fix = f"its inputs are {dtype} and fla's kernels take bf16/fp16", "train with bf16-mixed precision"
+    elif gated_kernel and torch.is_grad_enabled() and fla_refuses_gated_backward(gated_kernel):
+        reason = f"fla refuses the backward of chunk_{gated_kernel} with this Triton on Hopper (fla issue #640)"
+        fix = "Triton >= 3.7.1 restores fla (`make gpu-triton` packs one for a lent machine)"
+    if reason is None:
+        return True
+    warn_once(f"{op}: the torch code runs on CUDA, not fla's kernel: {reason}; {fix}.")
+    return False
 
 
 def _layout_kwargs(fn) -> dict:

@@ -58,8 +58,8 @@ from lm.ops.common import (
     from_head_chunks,
     keep_state,
     to_head_chunks,
+    warn_once,
 )
-from lm.ops.fla import warn_once
 from lm.ops.fla_mesa import fla_mesa, fla_mesa_check
 from lm.ops.kernel_packages import import_kernels
 from lm.ops.linear_attention import linear_attention

@@ -42,6 +42,7 @@ from lm.ops.common import (
     pad_to_chunks,
     split_chunks,
     to_head_chunks,
+    warn_once,
 )
 from lm.ops.kernel_packages import import_kernels
 
@@ -288,14 +289,24 @@ def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset=None) 
     """Resolve `backend`: True to call mlstm_kernels, False for the torch code. "mlstm_kernels" raises if it cannot."""
     if backend not in BACKENDS:
         raise ValueError(f"mlstm: backend must be one of {BACKENDS}, got {backend!r}")
-    # "auto" is the torch code too: on the lent H200 the kernel's dq differed from this code's (relative RMS error
-    # 1.04 at T 64 in bf16; docs/performance.md), so it runs only when asked for by name.
+    # "auto" is the torch code too: the kernel's backward treats the normaliser max(|n . q^|, exp(-m)) as a constant,
+    # so its dq, dk, di and df are not the layer's (bench/mlstm_kernels_grad.py; on the lent H200 dq was off by a
+    # relative RMS error of 1.04). It runs only when asked for by name.
     if backend != "mlstm_kernels":
+        if backend == "auto" and q.is_cuda:
+            say_torch_code_on_cuda()
         return False
     reason = _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset)
     if reason is not None:
         raise RuntimeError(f"mlstm: backend='mlstm_kernels' cannot run this call: {reason}; use backend='torch'")
     return True
+
+
+def say_torch_code_on_cuda() -> None:
+    """The notice, once, that "auto" runs mLSTM's torch code on CUDA, and why."""
+    warn_once("mlstm: the torch code runs on CUDA, not mlstm_kernels' kernel: the kernel's backward treats the "
+              "normaliser as a constant (bench/mlstm_kernels_grad.py); backend='mlstm_kernels' runs it by name, with "
+              "those gradients.")
 
 
 def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> str | None:
@@ -305,9 +316,11 @@ def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> s
     chunk) or the chunk a power of two dividing T; head dims for tensor-core tiles (multiples of 16 here, to be safe).
     Its backward returns zero gradients for the initial n~ and m, so initial states that need gradients stay on torch.
     It has no varlen support, so calls with a reset stay on torch.
-    Known differences from the torch code (not checked here): it takes log(sigmoid(f_pre)), which is -inf below about
-    -88 in float32; it forms the chunk's state update k^T v in the input dtype; its backward ignores gradients
-    flowing into the final n~ and m; and its float32 matmuls may use TF32.
+    Its gradients are those of the layer with the normaliser max(|n~ . q^|, exp(-m)) held constant
+    (bench/mlstm_kernels_grad.py), so dq, dk, di and df differ from the torch code's.
+    Other known differences from the torch code (not checked here): it takes log(sigmoid(f_pre)), which is -inf
+    below about -88 in float32; it forms the chunk's state update k^T v in the input dtype; its backward ignores
+    gradients flowing into the final n~ and m; and its float32 matmuls may use TF32.
     """
     T, K, V = q.shape[1], q.shape[-1], v.shape[-1]
     if reset is not None:
