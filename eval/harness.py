@@ -7,6 +7,8 @@ only: every mixer is causal, so a real token's logits never see the padding behi
 never fed a pad before real tokens. A batch of 4 scores what 4 batches of 1 score.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
@@ -18,6 +20,23 @@ from data_prep.tokenizer import separator
 from lm.errors import UserError
 from lm.training.checkpoint import load_with_tokenizer
 
+# What lm_eval's command line passes when --device is not given (lm_eval.config.evaluate_config.EvaluatorConfig).
+LM_EVAL_CLI_DEFAULT_DEVICE = "cuda:0"
+
+
+def resolve_device(device: str | None, model=None) -> torch.device:
+    """The device to evaluate on. Without one: a model object's own, else CUDA where there is CUDA, else the CPU.
+    lm_eval's command line passes "cuda:0" when --device is not given, so on a machine without CUDA that value is
+    taken as no device (as lm_eval's own `hf` model does) rather than failing with "Torch not compiled with CUDA"."""
+    if device == LM_EVAL_CLI_DEFAULT_DEVICE and not torch.cuda.is_available():
+        print(f"lm: no CUDA on this machine: evaluating on the CPU, not on {device}", file=sys.stderr)
+        device = None
+    if device is not None:
+        return torch.device(device)
+    if model is not None:
+        return next(model.parameters()).device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 @register_model("lm")
 class LMHarness(LM):
@@ -26,14 +45,16 @@ class LMHarness(LM):
     Args:
         checkpoint: A checkpoint, a run directory (its newest checkpoint) or an `lm export` directory.
         batch_size: Sequences per forward pass (lm-eval's "auto" means 1).
-        device: Torch device.
+        device: Torch device (default: the model object's own; for a checkpoint, "cuda" where CUDA is available,
+            else "cpu").
         max_length: Longest sequence fed at once (default: the model's max_seq_len).
         model, tokenizer: Instead of a checkpoint, a LanguageModel and its Tokenizer (the Python API).
     """
 
-    def __init__(self, checkpoint: str | None = None, batch_size: int | str = 1, device: str = "cpu",
+    def __init__(self, checkpoint: str | None = None, batch_size: int | str = 1, device: str | None = None,
                  max_length: int | None = None, model=None, tokenizer: Tokenizer | None = None, **_unused):
         super().__init__()
+        device = resolve_device(device, model)
         if model is None:
             if checkpoint is None:
                 raise UserError("the lm model needs checkpoint=DIR in --model_args")
@@ -41,7 +62,7 @@ class LMHarness(LM):
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.sep = separator(tokenizer)[1]
-        self._device = torch.device(device)
+        self._device = device
         self.batch_size = 1 if str(batch_size).startswith("auto") else int(batch_size)
         self.max_length = int(max_length or model.cfg.max_seq_len)
 

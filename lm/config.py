@@ -27,7 +27,7 @@ class TrainerConfig:
         log_every: Log every this many optimizer steps.
         activation_checkpointing: Recompute each block in the backward pass (less memory, ~1/3 more compute).
         compile: torch.compile each block.
-        progress_bar: Show Lightning's progress bar.
+        progress_bar: Show progress: a bar on a terminal, else a plain line every log_every steps.
         peak_flops: Peak FLOP/s of one device, for MFU (None: no MFU logged).
         wandb: Also log to Weights & Biases.
         wandb_project: Its project.

@@ -147,6 +147,7 @@ def test_the_counters_blind_spots_are_real():
 
 LAYER_SIZES = [(1, 32, 32, 2, 16, {}), (2, 40, 48, 3, 16, {"n_kv_heads": 1})]
 CHUNK = 16
+# Small chunks (and a window), so that T = 40 spans several; a mixer without an entry is counted at its defaults.
 MIXER_OPTIONS = {"attention": {}, "mamba2": {"chunk_size": CHUNK}, "mlstm": {"chunk_size": CHUNK},
                  "deltanet": {"chunk_size": CHUNK}, "gated_deltanet": {"chunk_size": CHUNK},
                  "mesa": {"chunk_size": CHUNK, "cg_steps": 3}, "swa": {"window": 16},
@@ -166,7 +167,7 @@ def attention_like(name: str) -> bool:
 
 
 def layer_cfg(name, d, h, hd, options, **kwargs) -> LMConfig:
-    opts = {**MIXER_OPTIONS[name], **(options if name == "attention" else {})}
+    opts = {**MIXER_OPTIONS.get(name, {}), **(options if name == "attention" else {})}
     return LMConfig(vocab_size=64, d_model=d, n_heads=h, head_dim=hd, mixer=name, mixer_options={name: opts},
                     max_seq_len=64, **kwargs)
 
@@ -215,7 +216,7 @@ def test_model_flops_match_the_counter(name):
     names = name.split(",")
     cfg = LMConfig(vocab_size=64, d_model=d, n_layers=len(names), n_heads=h, head_dim=hd, mixer=names[0],
                    layer_pattern=name if len(names) > 1 else None, max_seq_len=64,
-                   mixer_options={n: MIXER_OPTIONS[n] for n in names})
+                   mixer_options={n: MIXER_OPTIONS.get(n, {}) for n in names})
     torch.manual_seed(0)
     model = LanguageModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (B, T))

@@ -198,7 +198,7 @@ def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(tra
 
     manager = TaskManager(include_path=str(fixture_tasks), include_defaults=False)  # lm-eval's own: 10 s to index
     results = lm_eval.simple_evaluate(
-        model="lm", model_args=f"checkpoint={trained_run},batch_size=4", tasks=list(FIXTURE_TASKS),
+        model="lm", model_args=f"checkpoint={trained_run},batch_size=4,device=cpu", tasks=list(FIXTURE_TASKS),
         task_manager=manager, bootstrap_iters=0)["results"]
     assert 0 <= results["lm_fixture_choice"]["acc,none"] <= 1
     assert results["lm_fixture_rolling"]["word_perplexity,none"] > 1
@@ -252,7 +252,7 @@ def test_lm_evals_hf_model_scores_the_hf_export_as_the_lm_model_scores_the_check
     tasks = ["lm_fixture_choice", "lm_fixture_generate"]
     hf = run_lm_eval_cli(tmp_path / "hf", fixture_tasks, tasks, model="hf")
     ours = lm_eval.simple_evaluate(
-        model="lm", model_args=f"checkpoint={trained_run},batch_size=4", tasks=tasks, bootstrap_iters=0,
+        model="lm", model_args=f"checkpoint={trained_run},batch_size=4,device=cpu", tasks=tasks, bootstrap_iters=0,
         log_samples=True, task_manager=TaskManager(include_path=str(fixture_tasks), include_defaults=False))
     for task, metric in (("lm_fixture_choice", "acc,none"), ("lm_fixture_choice", "acc_norm,none"),
                          ("lm_fixture_generate", "exact_match,none")):

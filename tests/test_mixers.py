@@ -14,6 +14,7 @@ from lm.training.module import LMModule
 from lm.training.param_groups import decay_groups, param_groups
 from lm.training.schedule import OptimConfig
 
+# Options that change a mixer's parameters, beside its defaults; a mixer without an entry is tested at its defaults.
 OPTIONS = {
     "attention": [{}, {"n_kv_heads": 2}],
     "mamba2": [{}, {"expand": 1.5, "n_groups": 2, "conv_size": 3}],
@@ -29,7 +30,7 @@ OPTIONS = {
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
 def test_parameter_count_formula(name):
-    for options in OPTIONS[name]:
+    for options in OPTIONS.get(name, [{}]):
         mixer = MIXERS[name](48, 4, 12, 0, **options)
         assert MIXERS[name].param_count(48, 4, 12, **options) == sum(p.numel() for p in mixer.parameters()), options
 

@@ -86,12 +86,8 @@ class Mesa(Mixer):
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
-        o = self.options
-        self.gamma_init = o.gamma_init
+        o = self.options  # the one source of every option
         self.key_dim, self.value_dim = head_dim, int(round(o.expand_v * head_dim))
-        self.cg_steps, self.cg_steps_eval, self.cg_tol = o.cg_steps, o.cg_steps_eval, o.cg_tol
-        self.lam_floor, self.gamma_cap = o.lam_floor, o.gamma_cap
-        self.chunk_size, self.backend = o.chunk_size, o.backend
         conv_size, conv_v, output_gate = o.conv_size, o.conv_v, o.output_gate
         hk, hv = n_heads * self.key_dim, n_heads * self.value_dim
         self.q_proj = nn.Linear(d_model, hk, bias=False)
@@ -115,22 +111,24 @@ class Mesa(Mixer):
     def reset_mixer_parameters(self):
         """Lambda starts at 1 and beta at 0.5; gamma as gamma_init says."""
         with torch.no_grad():
-            self.lam_raw.fill_(math.log(math.expm1(1.0 - self.lam_floor)))
-            self.gamma_proj.bias.copy_(gamma_bias(self.gamma_init, self.n_heads))
+            self.lam_raw.fill_(math.log(math.expm1(1.0 - self.options.lam_floor)))
+            self.gamma_proj.bias.copy_(gamma_bias(self.options.gamma_init, self.n_heads))
             self.beta_proj.bias.zero_()
 
     def lam(self) -> torch.Tensor:
-        return self.lam_floor + F.softplus(self.lam_raw)
+        return self.options.lam_floor + F.softplus(self.lam_raw)
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log gamma, beta), [B, T, H] in fp32, the cap applied in log space."""
         dtype = compute_dtype(x)
         beta_pre, gamma_pre = self.beta_proj(x).to(dtype), self.gamma_proj(x).to(dtype)
         beta = torch.sigmoid(beta_pre)
-        log_gamma = F.logsigmoid(gamma_pre)
-        if self.gamma_cap is not None:
-            log_gamma = log_gamma + torch.log1p(-(1 - self.gamma_cap) * beta ** 2)
-        return log_gamma, beta
+        return self.capped(F.logsigmoid(gamma_pre), beta), beta
+
+    def capped(self, log_gamma: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """log(gamma * (1 - (1 - gamma_cap) * beta^2)): the cap against runs of repeated tokens (none without one)."""
+        cap = self.options.gamma_cap
+        return log_gamma if cap is None else log_gamma + torch.log1p(-(1 - cap) * beta**2)
 
     def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
         B, T, _ = x.shape
@@ -145,17 +143,18 @@ class Mesa(Mixer):
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         v = v.view(B, T, self.n_heads, self.value_dim)
         log_gamma, beta = self.gates(x)
-        steps = self.cg_steps if self.training or self.cg_steps_eval is None else self.cg_steps_eval
+        opt = self.options
+        steps = opt.cg_steps if self.training or opt.cg_steps_eval is None else opt.cg_steps_eval
         lam = self.lam().to(compute_dtype(x))
-        info = {} if self.backend == "fla" else None  # fla's kernel reports nothing
         if T == 1 and "memory" in state:
-            o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
+            o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=opt.cg_tol,
                                              initial_state=state["memory"], reset=reset, return_info=True)
         else:
-            o, memory, *reported = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=self.cg_tol,
-                                        initial_state=state.get("memory"), reset=reset, chunk_size=self.chunk_size,
-                                        return_info=info is None, backend=self.backend)
-            info = reported[0] if reported else info
+            reports = opt.backend != "fla"  # fla's kernel reports nothing
+            o, memory, *info = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=opt.cg_tol,
+                                    initial_state=state.get("memory"), reset=reset, chunk_size=opt.chunk_size,
+                                    return_info=reports, backend=opt.backend)
+            info = info[0] if reports else {}
         with torch.no_grad():
             info.update(lambda_min=lam.min(), lambda_mean=lam.mean(), gamma_mean=log_gamma.exp().mean(),
                         beta_mean=beta.mean())
@@ -212,10 +211,8 @@ class Mesa(Mixer):
         K, V = self.key_dim, self.value_dim
         q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
         beta = torch.sigmoid(randn() + self.beta_proj.bias)  # bias 0
-        log_gamma = F.logsigmoid(randn() + self.gamma_proj.bias)  # the gate biases of its gamma_init
-        if self.gamma_cap is not None:
-            log_gamma = log_gamma + torch.log1p(-(1 - self.gamma_cap) * beta**2)
+        log_gamma = self.capped(F.logsigmoid(randn() + self.gamma_proj.bias), beta)  # the biases of its gamma_init
         args = [q, k, randn(V), log_gamma, beta, self.lam().clone()]  # lam [H, K], 1 at init
         # return_info: the true residual costs one more matvec per solve; the mixer always asks for it, as here.
         return OpCall("mesa", mesa, mesa_recurrent, args, (batch, T, self.n_heads, V),
-                      {"cg_steps": self.cg_steps, "cg_tol": self.cg_tol, "return_info": True})
+                      {"cg_steps": self.options.cg_steps, "cg_tol": self.options.cg_tol, "return_info": True})

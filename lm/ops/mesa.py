@@ -44,6 +44,7 @@ are linear-attention states, so every piece above (the matvecs, the readout, the
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -121,7 +122,8 @@ def mesa(
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
     solver = _TritonSolver(chunk_size) if backend == "triton" else _TorchSolver(chunk_size)
-    out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, solver, info)
+    solve = _Solve(solver, cg_steps, cg_tol, reset, info)
+    out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, solve)
     return (out, (G, H), info) if return_info else (out, (G, H))
 
 
@@ -467,15 +469,28 @@ class _TritonSolver:
         return e
 
 
+@dataclass
+class _Solve:
+    """What `_MesaFunction` needs besides the tensors it differentiates: the solver, the stopping rule, the resets,
+    and the info dict (None: not asked for), which the forward fills and the backward adds the adjoint's entries to."""
+
+    solver: _TorchSolver | _TritonSolver
+    steps: int
+    tol: float | None
+    reset: torch.Tensor | None
+    info: dict | None
+
+
 class _MesaFunction(torch.autograd.Function):
     """Forward: warm-started chunkwise CG and the readout. Backward: the adjoint CG solve and the surrogate (see the
-    module docstring); the forward iterations are not unrolled, only x is kept. `solver` does the two solves."""
+    module docstring); the forward iterations are not unrolled, only x is kept. `solve.solver` does the two solves."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, solver, info):
-        out, x, G_T, H_T = solver.forward(q, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, info)
+    def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, solve: _Solve):
+        out, x, G_T, H_T = solve.solver.forward(q, k, v, log_gamma, beta, lam, G0, H0, solve.reset, solve.steps,
+                                                solve.tol, solve.info)
         ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
-        ctx.settings = (reset, cg_steps, cg_tol, solver, q.dtype, info)
+        ctx.solve, ctx.q_dtype = solve, q.dtype
         ctx.set_materialize_grads(False)
         return out, G_T, H_T
 
@@ -484,14 +499,15 @@ class _MesaFunction(torch.autograd.Function):
     @autocast_off()
     def backward(ctx, d_out, d_G, d_H):
         k, v, log_gamma, beta, lam, G0, H0, x = ctx.saved_tensors
-        reset, cg_steps, cg_tol, solver, q_dtype, info = ctx.settings
+        solve = ctx.solve
         e = None
         if d_out is not None:
-            e = solver.adjoint(d_out, k, v, log_gamma, beta, lam, G0, H0, reset, cg_steps, cg_tol, info)
+            e = solve.solver.adjoint(d_out, k, v, log_gamma, beta, lam, G0, H0, solve.reset, solve.steps, solve.tol,
+                                     solve.info)
         grads = _surrogate_grads((k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G,
-                                 d_H, reset, solver.chunk_size)
-        dq = e.to(q_dtype) if e is not None and ctx.needs_input_grad[0] else None
-        return (dq, *grads, None, None, None, None, None)
+                                 d_H, solve.reset, solve.solver.chunk_size)
+        dq = e.to(ctx.q_dtype) if e is not None and ctx.needs_input_grad[0] else None
+        return (dq, *grads, None)
 
 
 def _surrogate_grads(inputs, needs_grad, x, e, d_out, d_G, d_H, reset, chunk_size):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
@@ -23,6 +23,7 @@ from lm.training.callbacks.faults import InjectFaults
 from lm.training.callbacks.faults import planned as planned_faults
 from lm.training.callbacks.graceful_stop import GracefulStop
 from lm.training.callbacks.mixer_metrics import MixerMetrics
+from lm.training.callbacks.progress import progress_callbacks
 from lm.training.callbacks.rank_monitor import RankMonitor
 from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.stability import StabilityMonitor
@@ -167,7 +168,8 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
     callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop, stability, MixerMetrics(),
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
-                 StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last)]
+                 StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
+                 *progress_callbacks(t.progress_bar, t.log_every, tokens)]
     if t.rank_every:
         callbacks.append(RankMonitor(t.rank_every))
     if config.eval.every:
@@ -185,7 +187,8 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         val_check_interval=t.val_every * accumulate, check_val_every_n_epoch=None, num_sanity_val_steps=0,
         limit_val_batches=0 if config.data.val_windows == 0 else None,  # data.val_windows 0: no validation at all
         log_every_n_steps=t.log_every, logger=loggers, callbacks=callbacks, plugins=plugins,
-        enable_progress_bar=t.progress_bar, default_root_dir=run_dir, enable_model_summary=False,
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),  # none: lines, not a bar
+        default_root_dir=run_dir, enable_model_summary=False,
         # Clipping happens in LMModule.configure_gradient_clipping, which also logs the norm.
         gradient_clip_val=None)
 

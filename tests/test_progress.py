@@ -1,0 +1,78 @@
+"""Progress of `lm train` (lm.training.callbacks.progress), from real runs in a subprocess: with stdout not a terminal,
+a plain line every log_every optimizer steps, each on its way as soon as it is printed; on a terminal, a bar that
+counts steps (not Lightning's "Epoch 0/-2")."""
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+from test_train import config_file, last_launch_losses
+
+CLOCK = r"\d+:\d\d:\d\d"
+LINE = re.compile(rf"step (\d+)/20 \| loss (\d+\.\d{{4}}) \| tokens/s [\d,]+ \| elapsed {CLOCK} \| eta {CLOCK}")
+
+
+def train_command(tmp_path: Path, kjv_data: str) -> list[str]:
+    # 20 steps of 2 micro-batches: one line per optimizer step that is a multiple of 5, not one per micro-batch.
+    config = config_file(tmp_path, kjv_data, tmp_path / "run", max_steps=20, log_every=5, accumulate=2,
+                         val_every=10, ckpt_every=10, progress_bar=True)
+    return [sys.executable, "-m", "lm.cli", "train", "--config", str(config)]
+
+
+def test_without_a_terminal_a_line_every_log_every_steps_printed_as_it_happens(kjv_data, tmp_path):
+    cmd = train_command(tmp_path, kjv_data)
+    # Block-buffered, as a batch job's stdout is unless PYTHONUNBUFFERED says otherwise (this test's machine sets it).
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "OMP_NUM_THREADS": "1"}
+    # SIGKILL after step 12: nothing buffered survives it, so the lines of steps 5 and 10 were written when printed.
+    killed = subprocess.run(cmd, env={**env, "LM_FAULTS": "kill@step:12"}, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [int(m[1]) for m in LINE.finditer(killed.stdout)] == [5, 10], killed.stdout
+    # The rerun resumes at step 10 and goes on from there, to the end: a whole run's output has no bar either.
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [LINE.fullmatch(line) for line in done.stdout.splitlines()]
+    assert [int(line[1]) for line in lines if line] == [15, 20], done.stdout
+    # The loss is the one logged for that step (the CSV logger counts steps from 0).
+    logged = last_launch_losses(tmp_path / "run")
+    assert [float(line[2]) for line in lines] == [round(logged[14], 4), round(logged[19], 4)]
+    assert "Epoch" not in done.stdout + done.stderr
+
+
+def run_on_a_terminal(cmd: list[str], env: dict) -> tuple[int, str]:
+    """(exit status, what cmd wrote) with its stdout a terminal (a pseudo-terminal)."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty has 0 columns
+    process = subprocess.Popen(cmd, stdout=terminal, stderr=subprocess.DEVNULL, env=env)
+    os.close(terminal)
+    output = b""
+    while select.select([controller], [], [], 300)[0]:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the process has closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    return process.wait(timeout=60), output.decode(errors="replace")
+
+
+def test_on_a_terminal_the_bar_counts_optimizer_steps_also_after_a_resume(kjv_data, tmp_path):
+    cmd = train_command(tmp_path, kjv_data)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    status, killed = run_on_a_terminal(cmd, {**env, "LM_FAULTS": "kill@step:12"})
+    assert status == -signal.SIGKILL
+    assert re.search(r"Training:  60%.*\| 12/20 \[.*step/s", killed), killed[-2000:]
+    # The rerun resumes mid-epoch, from the step-10 checkpoint: its bar starts there and ends at max_steps.
+    status, resumed = run_on_a_terminal(cmd, env)
+    assert status == 0
+    assert re.search(r"Training:  50%.*\| 10/20 \[", resumed) and re.search(r"Training: 100%.*\| 20/20 \[", resumed)
+    assert "Epoch" not in killed + resumed and not LINE.search(killed + resumed)
