@@ -107,8 +107,8 @@ class Attention(Mixer):
         FlexAttention on CUDA where a call without a KV cache has more than the causal mask (a window shorter than the
         call, or documents), which SDPA would take dense and FlexAttention by blocks; SDPA elsewhere: its is_causal
         kernel for the causal mask, the decoding steps (a new block mask per step), and the CPU, where FlexAttention
-        trains only in its math form, 6 to 10x slower than SDPA, and its compiled inference kernel gains only at long
-        lengths with most blocks masked, after a compile per length (docs/performance.md)."""
+        trains only in its math form, several times slower than SDPA, and its compiled inference kernel gains only at
+        long lengths with most blocks masked, after a compile per length (docs/performance.md)."""
         if self.options.kernel != "auto":
             return self.options.kernel
         return "flex" if device.type == "cuda" and seen == 0 and not self.plain_causal(T, seen, starts) else "sdpa"

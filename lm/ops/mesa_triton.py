@@ -29,9 +29,9 @@ _PRECISION = {torch.float32: "tf32x3", torch.float64: "ieee"}
 _TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
-# Compiled for sm_90 by Triton 3.6 (on a CPU, with its bundled ptxas; docs/performance.md), a program needs about
-# 131 KiB of shared memory at K = V = 64 and a chunk of 64, 135 KiB at K = 128 and a chunk of 32, but 320 KiB at K = 128
-# and a chunk of 64, and more than an SM's 227 KiB at K = 256 with any chunk.
+# A program holds its chunk's keys and entering state on chip, so its shared memory grows with K, V and the chunk; past
+# these sizes, or at K = V = 128 with a chunk of 64, it asks for more than an SM has (`python -m bench.kernel_resources`
+# compiles the kernels for sm_90 and says how much; docs/performance.md).
 MAX_K, MAX_V = 128, 256
 
 
