@@ -14,7 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it where
     pytest.skip("CUDA is here: tests/test_ops_gpu_mesa.py tests the compiled kernels", allow_module_level=True)
 pytest.importorskip("triton", reason="the dev extra installs Triton, whose interpreter runs these kernels")
 
-from test_op_mesa import realistic_inputs, reference  # noqa: E402
+from test_op_mesa import realistic_inputs, reference, relative_error  # noqa: E402
 
 from lm.mixers import Mesa  # noqa: E402
 from lm.ops import mesa_triton  # noqa: E402
@@ -66,11 +66,6 @@ def exact(x, reset=None):
     weight = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64)
     loss = (out * weight(out)).sum() + (G * weight(G)).sum() + (Hs * weight(Hs)).sum()
     return out, (G, Hs), dict(zip(x, torch.autograd.grad(loss, list(x.values()))))
-
-
-def relative_error(a, b):
-    """||a - b|| / ||b||, and 0 where both are 0 (a gradient that is exactly 0, as it should be)."""
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
 RESETS = [(0, 5, 16, 17), (9, 36)]  # a reset at step 0, a one-token document, resets on and after a chunk boundary
