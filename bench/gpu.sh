@@ -185,7 +185,7 @@ done
 # The rows of every part, those finished before a time limit too, as one JSON and one table.
 "$PY" - "$OUT" > "$OUT/gpu-train.md" <<'EOF'
 import glob, json, sys
-from bench.train_speed import print_table
+from lm.bench.train_speed import print_table
 parts = [json.load(open(p)) for p in sorted(glob.glob(f"{sys.argv[1]}/gpu-train-*.json"))]
 if parts:
     merged = dict(parts[0], rows=[r for p in parts for r in p["rows"]])

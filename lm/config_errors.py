@@ -1,6 +1,7 @@
 """jsonargparse's errors as one line, with the closest valid key suggested for an unknown one.
 
-Its own file so that a command's bad argument is reported without importing torch and Lightning (lm.config does).
+Its own file so that a command's bad argument is reported without importing torch and Lightning
+(lm.training.config does).
 """
 
 import difflib

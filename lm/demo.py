@@ -6,8 +6,11 @@ import time
 from pathlib import Path
 
 from lm.errors import UserError
+from lm.resources import shipped
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_CONFIG = shipped("configs/demo.yaml")
+NEXT_STEP = ("next: `lm compare demo`, the comparison: every mixer and Hawk-Mesa at matched parameters, on CPU "
+             "in under 20 min")
 
 
 def last_logged(run_dir: Path, key: str) -> float | None:
@@ -34,10 +37,10 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
         progress: Show progress bars.
         sample_tokens: Tokens generated for the sample at the end.
     """
-    from data_prep.prepare import BUNDLED_CORPUS, prepare
-    from eval.ppl import evaluate_ppl, unigram_ppl
-    from lm.config import parse_run_config
+    from lm.data_prep.prepare import BUNDLED_CORPUS, prepare
+    from lm.eval.ppl import evaluate_ppl, unigram_ppl
     from lm.generate import generate_text
+    from lm.training.config import parse_run_config
     from lm.training.train import train
 
     if not Path(recipe).is_file():
@@ -73,3 +76,4 @@ def print_summary(s: dict, sample: str) -> None:
     width = max(len(k) for k, _ in rows)
     out = sys.stdout
     out.write("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows) + "\n\nsample:\n  " + sample + "\n")
+    out.write(f"\n{NEXT_STEP}\n")

@@ -2,7 +2,7 @@
 
 import torch
 
-from data_prep.tokenizer import separator
+from lm.data_prep.tokenizer import separator
 from lm.errors import UserError
 from lm.training.checkpoint import load_with_tokenizer
 

@@ -130,19 +130,20 @@ class LanguageModel(nn.Module):
 
     def reset_parameters(self):
         """Normal(0, init_std) for matrices, scaled by 1/sqrt(2 n_layers) on the residual outputs (GPT-2: the
-        projections marked with lm.mixers.layers.residual_output); then each mixer's own gates and decays, which
-        know their papers' initialisations."""
+        projections marked with lm.mixers.layers.residual_output), and zero biases. What a mixer initialises itself
+        (its gates and decays, which know their papers' initialisations) its constructor has done, once: the
+        parameters of other kinds than these are not touched here, and those marked with lm.mixers.layers.own_init
+        (gate biases in a Linear) are left as the constructor set them."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 std = self.cfg.init_std
                 if getattr(module.weight, "residual_output", False):
                     std /= math.sqrt(2 * self.cfg.n_layers)
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_mixer_parameters"):
-                module.reset_mixer_parameters()
+                if not getattr(module.weight, "own_init", False):
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                bias = getattr(module, "bias", None)
+                if bias is not None and not getattr(bias, "own_init", False):
+                    nn.init.zeros_(bias)
 
     @classmethod
     def from_pretrained(cls, directory: str) -> "LanguageModel":

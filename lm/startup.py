@@ -1,6 +1,6 @@
 """What installing `lm` registers at interpreter start, so that other tools find lm models without importing lm:
 
-- lm-eval's model `lm` (`lm_eval --model lm --model_args checkpoint=DIR`), as "eval.harness:LMHarness";
+- lm-eval's model `lm` (`lm_eval --model lm --model_args checkpoint=DIR`), as "lm.eval.harness:LMHarness";
 - transformers' `AutoConfig` and `AutoModelForCausalLM` for model_type "lm" (the directories `lm export --format hf`
   writes), so that `AutoModelForCausalLM.from_pretrained(DIR)` and lm-eval's `hf` model load them.
 
@@ -18,7 +18,7 @@ def register_lm_eval_model(registry_module) -> None:
     import lm_eval.models  # noqa: F401  (registers lm-eval's own models)
 
     if "lm" not in registry_module.model_registry:
-        registry_module.model_registry.register("lm", target="eval.harness:LMHarness")
+        registry_module.model_registry.register("lm", target="lm.eval.harness:LMHarness")
 
 
 def register_hf_config(configuration_auto) -> None:

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def kjv_data(tmp_path_factory) -> str:
     """The bundled KJV corpus prepared with a 512-token BPE (about 1.7M training tokens)."""
-    from data_prep.prepare import BUNDLED_CORPUS, prepare
+    from lm.data_prep.prepare import BUNDLED_CORPUS, prepare
 
     out = tmp_path_factory.mktemp("kjv") / "data"
     prepare([str(BUNDLED_CORPUS)], str(out), vocab_size=512, progress=False)

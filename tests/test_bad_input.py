@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.cli import COMMANDS, main
+from lm.cli import main
+from lm.commands import COMMANDS
 
 TRAIN_YAML = """\
 model: {vocab_size: 512, d_model: 32, n_layers: 1, n_heads: 2, head_dim: 16, max_seq_len: 64}
@@ -127,16 +128,17 @@ CASES = {
     "bench-strategies-missing-data": (["bench", "strategies", "--data", "nowhere"], "nowhere"),
     "bench-strategies-width-not-a-multiple-of-64": (["bench", "strategies", "--data", "data", "--d_model", "100"],
                                                     "d_model"),
-    "bench-mesa-ablation-zero-steps": (["bench", "mesa-ablation", "--out", "ablation", "--steps", "0"], "steps"),
-    "bench-mesa-ablation-missing-data": (["bench", "mesa-ablation", "--out", "ablation", "--data", "nowhere"],
-                                         "nowhere"),
-    "bench-ab-zero-repeats": (["bench", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
-    "bench-ab-unknown-mixer": (["bench", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
     "bench-hf-generate-zero-tokens": (["bench", "hf-generate", "--tokens", "0"], "tokens"),
     "bench-plan-memory-missing-config": (["bench", "plan-memory", "--configs", "[nowhere.yaml]"], "nowhere.yaml"),
     "bench-plan-memory-zero-micro-batch": (["bench", "plan-memory", "--configs", "[train.yaml]", "--micro_batch", "0"],
                                            "micro_batch"),
     "bench-compile-unknown-mixer": (["bench", "compile", "--mixers", "[nope]"], "nope"),
+    # lm research
+    "research-mesa-ablation-zero-steps": (["research", "mesa-ablation", "--out", "ablation", "--steps", "0"], "steps"),
+    "research-mesa-ablation-missing-data": (["research", "mesa-ablation", "--out", "ablation", "--data", "nowhere"],
+                                            "nowhere"),
+    "research-ab-zero-repeats": (["research", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
+    "research-ab-unknown-mixer": (["research", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
     # lm slurm submit (dry runs) and status
     "slurm-submit-zero-nodes": ([*SUBMIT, "--nodes", "0", *TRAIN_ARGS], "nodes"),
     "slurm-submit-zero-cpus": ([*SUBMIT, "--cpus_per_task", "0", *TRAIN_ARGS], "cpus_per_task"),

@@ -1,4 +1,4 @@
-"""bench.train_speed at a tiny size: the figures agree with each other (no speed is asserted)."""
+"""lm.bench.train_speed at a tiny size: the figures agree with each other (no speed is asserted)."""
 
 import json
 import math
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.train_speed import bench_train
 from lm.accounting.flops import train_flops_per_token
+from lm.bench.train_speed import bench_train
 from lm.cli import main
 from lm.model import LMConfig
 

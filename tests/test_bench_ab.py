@@ -1,8 +1,8 @@
-"""`lm bench ab`: an op of the working tree against the same op read from git at a revision, in one process."""
+"""`lm research ab`: an op of the working tree against the same op read from git at a revision, in one process."""
 
 import pytest
 
-from bench.op_ab import bench_ab, op_at_revision
+from lm.bench.op_ab import bench_ab, op_at_revision
 from lm.errors import UserError
 from lm.ops import delta_rule
 

@@ -1,10 +1,10 @@
-"""bench.data_speed on the bundled corpus: the same documents go through both tokenizing methods, and the
+"""lm.bench.data_speed on the bundled corpus: the same documents go through both tokenizing methods, and the
 figures agree with each other (no speed is asserted)."""
 
 import math
 
-from bench.data_speed import bench_data
-from data_prep.shards import load_manifest
+from lm.bench.data_speed import bench_data
+from lm.data_prep.shards import load_manifest
 
 
 def test_bench_data_figures(kjv_data, tmp_path):

@@ -1,10 +1,10 @@
-"""bench.memory: the measurement sees known allocations exactly, and the table's figures agree with each other."""
+"""lm.bench.memory: the measurement sees known allocations exactly, and the table's figures agree with each other."""
 
 import math
 
 import torch
 
-from bench.memory import bench_memory, tracked_peak_bytes
+from lm.bench.memory import bench_memory, tracked_peak_bytes
 
 MIB = 2**20
 

@@ -1,9 +1,9 @@
-"""bench.mixer_speed at tiny sizes: the rows are complete and agree with each other (no speed is asserted)."""
+"""lm.bench.mixer_speed at tiny sizes: the rows are complete and agree with each other (no speed is asserted)."""
 
 import json
 import math
 
-from bench.mixer_speed import bench_mixer_names, bench_mixers
+from lm.bench.mixer_speed import bench_mixer_names, bench_mixers
 from lm.mixers import MIXERS
 
 TINY = dict(d_model=32, n_heads=2, head_dim=16, recurrent_max_len=64, repeats=1)

@@ -1,12 +1,12 @@
-"""bench.peers at a tiny size: the peers build the same models and compute the same mLSTM (no speed is asserted)."""
+"""lm.bench.peers at a tiny size: the peers build the same models and compute the same mLSTM (no speed is asserted)."""
 
 import json
 
 import pytest
 import torch
 
-from bench.mixer_speed import op_inputs
-from bench.peers import bench_peers, compare_mlstm, import_peers
+from lm.bench.mixer_speed import op_inputs
+from lm.bench.peers import bench_peers, compare_mlstm, import_peers
 from lm.cli import main
 
 TINY = dict(d_model=64, n_layers=2, n_heads=2, head_dim=32, vocab_size=256, seq_len=32, batch=2, steps=1, warmup=1,

@@ -248,13 +248,13 @@ def test_a_path_that_is_no_run_directory_exits_2_with_one_line(fixture_runs, tmp
 
 
 def test_probe_outputs_are_sections_with_their_figures(fixture_runs, tmp_path):
-    from eval.icl import icl
+    from lm.eval.icl import icl
 
     icl(mixers=["gla"], blocks=["minimal"], layers=[1], x_dim=3, length=8, steps=2, eval_sequences=64, processes=1,
         out=str(tmp_path / "icl"))
     out = tmp_path / "report"
-    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(out), "--icl",
-                 str(tmp_path / "icl")]) == 0
+    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(out), "--sections",
+                 f"[{tmp_path / 'icl'}]"]) == 0
     text = (out / "report.md").read_text()
     section = text.split("## In-context linear regression (lm eval icl)")[1].split("\n## ")[0]
     assert markdown_tables(section)[0][1][:3] == ["gla", "minimal", "1"]
@@ -263,9 +263,13 @@ def test_probe_outputs_are_sections_with_their_figures(fixture_runs, tmp_path):
 
 
 def test_a_probe_folder_without_its_output_exits_2_before_writing(fixture_runs, tmp_path, capsys):
-    # In this process: a fresh one would import torch for the probe's reader, seconds before the one line.
-    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(tmp_path / "out"), "--icl",
-                 str(tmp_path)]) == 2
+    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(tmp_path / "out"), "--sections",
+                 f"[{tmp_path}]"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"lm compare report: error: {tmp_path / 'icl.json'} not found (write it with lm eval icl --out {tmp_path})"]
+        f"lm compare report: error: {tmp_path / 'section.json'} not found: --sections takes output folders of probes "
+        "that write one (lm eval icl, lm eval mqar-grid)"]
     assert not (tmp_path / "out").exists()
+    (tmp_path / "section.json").write_text('{"heading": "x"}')
+    assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(tmp_path / "out"), "--sections",
+                 f"[{tmp_path}]"]) == 2
+    assert "is not a report section" in capsys.readouterr().err and not (tmp_path / "out").exists()

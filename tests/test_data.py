@@ -100,7 +100,7 @@ def test_windows_overlap_by_one_token_so_every_token_is_a_target_once(stream):
 
 
 def test_reads_cross_shard_boundaries(tmp_path):
-    from data_prep.prepare import prepare
+    from lm.data_prep.prepare import prepare
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(f'{{"text": "document number {i} says hello to the world {i}"}}\n' for i in range(60)))
@@ -149,7 +149,7 @@ def test_corrupt_shard_and_too_long_windows_are_user_errors(kjv_data, tmp_path):
 @pytest.fixture(scope="module")
 def no_validation(tmp_path_factory) -> str:
     """One short document: too short for a tail, so lm prepare leaves the validation split empty."""
-    from data_prep.prepare import prepare
+    from lm.data_prep.prepare import prepare
 
     tmp = tmp_path_factory.mktemp("short")
     (tmp / "note.txt").write_text("A short note of a few dozen words, written once and read once. " * 3)

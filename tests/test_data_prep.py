@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-from data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
-from data_prep.shards import DTYPES, TAIL, WHOLE, is_validation, sha256_file, token_dtype, write_splits
-from data_prep.sources import decode, iter_documents
-from data_prep.tokenizer import separator
+from lm.data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
+from lm.data_prep.shards import DTYPES, TAIL, WHOLE, is_validation, sha256_file, token_dtype, write_splits
+from lm.data_prep.sources import decode, iter_documents
+from lm.data_prep.tokenizer import separator
 from lm.errors import UserError
 
 VOCAB = 300  # tiny: 256 bytes + separator + a few merges keeps training instant
@@ -228,7 +228,7 @@ def test_reuse_refuse_and_overwrite(tmp_path):
 
 
 def test_older_version_of_the_same_inputs_is_rebuilt_without_overwrite(tmp_path, monkeypatch, capsys):
-    module = importlib.import_module("data_prep.prepare")  # data_prep.prepare is also the function's name
+    module = importlib.import_module("lm.data_prep.prepare")  # lm.data_prep.prepare is also the function's name
     a, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "out"
     monkeypatch.setattr(module, "VERSION", 1)  # as an lm prepare from before validation tails wrote it
     old = run([a], out)

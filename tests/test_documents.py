@@ -48,7 +48,7 @@ class Windows(list):
 
 def test_per_position_nll_with_resets_equals_each_document_alone(documents_demo, kjv_data):
     """The packed windows' NLL by position in the document, against every document of every window run alone."""
-    from eval.ppl import per_position_nll
+    from lm.eval.ppl import per_position_nll
 
     out, _ = documents_demo
     model, _ = load_model(newest_checkpoint(out / "runs" / "gated_deltanet-reset-s0" / "checkpoints"))

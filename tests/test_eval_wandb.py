@@ -4,7 +4,7 @@ import json
 import os
 from pathlib import Path
 
-from eval.wandb_log import log_to_run
+from lm.eval.wandb_log import log_to_run
 
 
 def logged_records(run_dir: Path, run_id: str) -> bytes:

@@ -1,4 +1,4 @@
-"""The lm-eval adapter (eval/harness.py): log-likelihoods equal the model's own token-by-token sum, batch size
+"""The lm-eval adapter (lm/eval/harness.py): log-likelihoods equal the model's own token-by-token sum, batch size
 does not change any score for any mixer, rolling windows cover a long text, and generation stops where asked."""
 
 import json
@@ -11,7 +11,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from tokenizers import Tokenizer
 
-from eval.harness import LMHarness
+from lm.eval.harness import LMHarness
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 
@@ -49,10 +49,10 @@ def test_an_installed_lm_is_found_by_lm_evals_registry_alone():
     import subprocess
     import sys
 
-    code = ("import sys; from lm_eval.api.registry import get_model; assert 'eval.harness' not in sys.modules; "
+    code = ("import sys; from lm_eval.api.registry import get_model; assert 'lm.eval.harness' not in sys.modules; "
             "print(get_model('lm').__module__, get_model('dummy').__name__)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert found.stdout.split() == ["eval.harness", "DummyLM"]
+    assert found.stdout.split() == ["lm.eval.harness", "DummyLM"]
 
 
 def test_loglikelihood_is_the_models_own_sum_of_token_log_probabilities(tokenizer):
@@ -287,8 +287,8 @@ def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixtur
 
 
 def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monkeypatch):
-    from eval.run_harness import harness as run_harness
     from lm.errors import UserError
+    from lm.eval.run_harness import harness as run_harness
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -301,7 +301,15 @@ def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monke
 
 
 def test_based_in_context_tasks_put_the_passage_before_the_question_and_score_containment():
-    from eval.tasks.based_recall.utils import doc_to_text, process_results
+    import importlib.util
+
+    from lm.resources import shipped
+
+    # lm-eval loads a task folder's utils.py by path (`!function utils.doc_to_text`), and so does this test.
+    spec = importlib.util.spec_from_file_location("based_recall_utils", shipped("eval/tasks/based_recall/utils.py"))
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    doc_to_text, process_results = utils.doc_to_text, utils.process_results
 
     doc = {"context": "[DOC] [TLE] Paris [PAR] Paris is the capital of France. What is the capital of France?",
            "question": "What is the capital of France?", "answers": ["Paris", "City of Light"]}
@@ -312,8 +320,8 @@ def test_based_in_context_tasks_put_the_passage_before_the_question_and_score_co
 
 def test_the_based_task_yamls_run_through_lm_eval_on_local_data(trained_run, tmp_path):
     """Each Based YAML, with only its dataset swapped for a local jsonl of the same fields, runs end to end."""
-    from eval.run_harness import TASKS
-    from eval.run_harness import harness as run_harness
+    from lm.eval.run_harness import TASKS
+    from lm.eval.run_harness import harness as run_harness
 
     data = tmp_path / "based.jsonl"
     data.write_text("".join(json.dumps({"context": f"{c} {x}.", "question": f"{c}?", "answers": [x.strip()]}) + "\n"

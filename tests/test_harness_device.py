@@ -1,4 +1,4 @@
-"""The lm-eval model `lm` (eval/harness.py) without a device: CUDA where there is CUDA, else the CPU, also when it
+"""The lm-eval model `lm` (lm/eval/harness.py) without a device: CUDA where there is CUDA, else the CPU, also when it
 comes through lm_eval's command line, which passes its own default ("cuda:0") when --device is not given."""
 
 import json
@@ -12,7 +12,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from tokenizers import Tokenizer
 
-from eval.harness import LMHarness
+from lm.eval.harness import LMHarness
 from lm.export import save_pretrained
 from lm.model import LanguageModel, LMConfig
 

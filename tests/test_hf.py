@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from configs.paper_sizes import HYBRIDS
-from data_prep.tokenizer import separator
+from lm.compare.paper_sizes import HYBRIDS
+from lm.data_prep.tokenizer import separator
 from lm.hf.cache import LMCache
 from lm.hf.export import save_hf
 from lm.hf.model import padding_resets
@@ -269,7 +269,7 @@ def test_lm_generate_reads_the_hf_directory_and_bad_ones_are_one_line(exported, 
 
 
 def test_bench_hf_generate_reports_a_flat_recurrent_cache_and_a_growing_kv_cache(tmp_path):
-    from bench.hf_generate import bench_hf_generate
+    from lm.bench.hf_generate import bench_hf_generate
 
     result = bench_hf_generate(mixers=["attention", "deltanet"], prompt=4, tokens=5, d_model=32, n_layers=1,
                                n_heads=2, head_dim=16, vocab_size=64, repeats=1, json_out=str(tmp_path / "b.json"))

@@ -6,7 +6,8 @@ import csv
 import pytest
 import torch
 
-from eval.icl import (
+from lm.cli import main
+from lm.eval.icl import (
     QUICK,
     RegressionTask,
     gd_predictions,
@@ -17,7 +18,6 @@ from eval.icl import (
     regression_batch,
     ridge_predictions,
 )
-from lm.cli import main
 
 TASK = RegressionTask(x_dim=4, length=14, noise=0.5)
 

@@ -1,6 +1,9 @@
-"""lm's layers, lowest first: ops -> mixers -> model -> accounting -> training -> export, hf, eval, compare, bench, cli.
-A module imports (at its top) only from its own layer and the ones below. A lazy import inside a function is allowed
-where a lower layer hands work up on request (lm train's in-loop evaluation runs eval/in_loop.py)."""
+"""The structure drawn from imports, over the whole of lm/: every import (at the top of a module or inside a function)
+points to the same layer or one below it, and no modules import each other in a circle.
+
+Layers, lowest first (DESIGN.md, "Layout"): the foundation (errors, shipped files, output helpers) -> ops -> mixers ->
+model -> accounting -> data_prep -> training -> generate, export, hf -> eval -> slurm -> compare -> bench -> cli,
+train_command, demo, startup. A module of lm/ that no layer names fails too, so a new file has to take its place."""
 
 import ast
 from pathlib import Path
@@ -8,29 +11,105 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = [("lm.ops", "lm/ops"), ("lm.mixers", "lm/mixers"), ("lm.model", "lm/model.py"),
-          ("lm.accounting", "lm/accounting"), ("lm.training", "lm/training")]
-ABOVE_ALL = ("lm.export", "lm.generate", "lm.hf", "lm.compare", "lm.cli", "lm.demo", "eval", "bench", "slurm")
+LAYERS = [
+    ("lm", "lm.errors", "lm.config_errors", "lm.resources", "lm.output", "lm.plotting", "lm.workers",
+     "lm.report_section", "lm.commands"),
+    ("lm.ops",),
+    ("lm.mixers",),
+    ("lm.model",),
+    ("lm.accounting",),
+    ("lm.data_prep",),
+    ("lm.training",),
+    ("lm.generate", "lm.export", "lm.hf"),
+    ("lm.eval",),
+    ("lm.slurm",),
+    ("lm.compare",),
+    ("lm.bench",),
+    ("lm.cli", "lm.train_command", "lm.demo", "lm.startup"),
+]
 
 
-def top_level_imports(path: Path) -> set[str]:
-    imports = set()
-    for node in ast.parse(path.read_text()).body:
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted((ROOT / "lm").rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    """The layer that names the longest prefix of `module`."""
+    best = max(((len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    if best is None or (best[0] == 2 and module != "lm"):  # "lm" itself names only lm/__init__.py
+        raise AssertionError(f"{module} is in no layer of tests/test_layers.py")
+    return best[1]
+
+
+def imported_modules(module: str) -> set[str]:
+    """lm's modules that `module` imports anywhere in its file (relative imports resolved)."""
+    path, found = MODULES[module], set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            imports |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imports.add(node.module)
-    return imports
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]  # a module, or a name in the module `base`
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
 
 
-def files(where: str) -> list[Path]:
-    path = ROOT / where
-    return [path] if path.is_file() else sorted(path.rglob("*.py"))
+GRAPH = {module: imported_modules(module) for module in MODULES}
 
 
-@pytest.mark.parametrize("index", range(len(LAYERS)), ids=[name for name, _ in LAYERS])
-def test_a_layer_imports_nothing_above_it(index):
-    above = [name for name, _ in LAYERS[index + 1:]] + list(ABOVE_ALL)
-    for path in files(LAYERS[index][1]):
-        wrong = {m for m in top_level_imports(path) for a in above if m == a or m.startswith(a + ".")}
-        assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}, which build on it"
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_arrow_runs_up(module):
+    up = sorted(name for name in GRAPH[module] if layer_of(name) > layer_of(module))
+    assert not up, f"{module} (layer {layer_of(module)}) imports {up}, which build on it"
+
+
+def test_no_circles():
+    """Tarjan's strongly connected components: any of more than one module is a circle."""
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in GRAPH[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(GRAPH):
+        if module not in index:
+            visit(module)
+    assert not circles, f"modules that import each other in a circle: {circles}"

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from eval.longctx.grid import longctx
-from eval.longctx.probes import INTRO, PROBES, make_example, score
 from lm.errors import UserError
+from lm.eval.longctx.grid import longctx
+from lm.eval.longctx.probes import INTRO, PROBES, make_example, score
 from lm.export import save_pretrained
 from lm.model import LanguageModel, LMConfig
 
@@ -90,7 +90,7 @@ def test_the_probes_as_lm_eval_tasks_give_the_same_generations_and_scores(kjv_da
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from eval.harness import LMHarness
+    from lm.eval.harness import LMHarness
 
     torch.manual_seed(0)
     config = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=64)
@@ -115,7 +115,7 @@ def test_the_probes_as_lm_eval_tasks_give_the_same_generations_and_scores(kjv_da
 
 def test_passkey_training_saves_a_model_and_grids_it(kjv_data, tmp_path):
     """The path of `lm eval passkey` in a few steps (the slow test below checks that it learns)."""
-    from eval.longctx.passkey import PasskeyBatches, passkey
+    from lm.eval.longctx.passkey import PasskeyBatches, passkey
 
     tokenizer = Tokenizer.from_file(str(Path(kjv_data) / "tokenizer.json"))
     inputs, targets = next(iter(PasskeyBatches(tokenizer, 200, 2, seed=0)))
@@ -131,7 +131,7 @@ def test_passkey_training_saves_a_model_and_grids_it(kjv_data, tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_attention_model_trained_on_passkeys_passes_at_its_training_length(kjv_data, tmp_path):
-    from eval.longctx.passkey import passkey
+    from lm.eval.longctx.passkey import passkey
 
     rows = passkey(kjv_data, str(tmp_path), length=256, eval_lengths=[256], samples=20)
     accuracy = sum(r["accuracy"] for r in rows) / len(rows)

@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from bench.plan_memory import bench_plan_memory, measured_peak_bytes
 from lm.accounting.flops import param_count
 from lm.accounting.memory import GIB, largest_micro_batch, plan_memory, state_bytes
+from lm.bench.plan_memory import bench_plan_memory, measured_peak_bytes
 from lm.model import LMConfig
 
 TINY = LMConfig(vocab_size=8192, d_model=256, n_layers=2, n_heads=4, head_dim=64, max_seq_len=512)

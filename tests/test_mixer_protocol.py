@@ -1,6 +1,7 @@
-"""The mixer protocol (lm.mixers.protocol): a mixer defined here and registered with one line trains, counts its
-parameters and FLOPs, plans, benchmarks and keeps the contract like the shipped ones; options are checked at parse
-time; and nothing outside lm/mixers and lm/ops names a mixer."""
+"""The mixer protocol (lm.mixers.protocol): a mixer defined here and registered with one line (its float64 reference
+given here too, as tests/mixer_references would hold it) needs no other file: it trains, counts its parameters and
+FLOPs, plans, benchmarks, gets the probes' defaults and passes the generic mixer tests like the shipped ones; options
+are checked at parse time; and neither the model nor the accounting nor training names a mixer."""
 
 import json
 import re
@@ -9,35 +10,45 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import test_flops
+import test_mixer_contract
+import test_mixer_math
+import test_mixer_resets
+import test_mixers
 import torch
 import torch.nn.functional as F
+import yaml
+from mixer_references import REFERENCES, Reference
 from test_flops import assert_close, counted
 from test_mixer_contract import run_in_pieces
 from torch import nn
 
-from bench.mixer_speed import bench_mixers
-from bench.train_speed import bench_train
 from lm.accounting import flops
+from lm.bench.mixer_speed import bench_mixers
+from lm.bench.train_speed import bench_train
 from lm.cli import main
+from lm.compare import paper_sizes
+from lm.compare.demo import DEFAULT_LR, demo_lr
+from lm.eval import icl, mqar
 from lm.mixers import MIXERS, Mixer, register
 from lm.mixers.layers import residual_output
 from lm.mixers.protocol import OpCall
 from lm.model import LanguageModel, LMConfig
 from lm.ops import diagonal_scan, diagonal_scan_recurrent
+from lm.training.param_groups import param_groups
+from lm.training.schedule import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 class EMA(Mixer):
     """A throwaway mixer: an exponential moving average of a projection of the input, h_t = a_t h_{t-1} +
-    (1 - a_t) u_t with a data-dependent decay a_t = sigmoid(W_a x_t + b) per channel, then an output projection.
-    Parameters: d_model * W (u) + d_model * W + W (the decay) + W * d_model (out), W = width * d_model."""
+    (1 - a_t) u_t with a data-dependent decay a_t = sigmoid(W_a x_t + b) per channel, then an output projection
+    (width W = width * d_model). Nothing else: its parameter count is the protocol's, from a build."""
 
     @dataclass
     class Options:
         width: float = 1.0
-
-    mqar_steps = 5
 
     def __init__(self, d_model, n_heads, head_dim, layer_idx=0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -52,11 +63,6 @@ class EMA(Mixer):
         return self.o(h.to(x.dtype)), state
 
     @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options):
-        W = int(cls.check_options(options).width * d_model)
-        return 3 * d_model * W + W
-
-    @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options):
         return 0.0  # the scan is elementwise
 
@@ -67,11 +73,30 @@ class EMA(Mixer):
                       (batch, T, self.W))
 
 
+def ema_reference(mixer, x, state, reset):
+    """EMA's float64 reference, token by token from its equation (tests/mixer_references' form): u_t = W_u x_t,
+    a_t = sigmoid(W_a x_t + b), h_t = a_t h_{t-1} + (1 - a_t) u_t (h cleared at a reset), y_t = W_o h_t."""
+    h = x.new_zeros(x.shape[0], mixer.W) if state is None else state
+    ys = []
+    for t in range(x.shape[1]):
+        if reset is not None:
+            h = h * (~reset[:, t]).to(x.dtype)[:, None]
+        a = torch.sigmoid(x[:, t] @ mixer.a_proj.weight.T + mixer.a_proj.bias)
+        h = a * h + (1 - a) * (x[:, t] @ mixer.u_proj.weight.T)
+        ys.append(h @ mixer.o.weight.T)
+    return torch.stack(ys, dim=1), h
+
+
 @pytest.fixture
 def ema():
+    mixers, references = dict(MIXERS), dict(REFERENCES)
     register("ema")(EMA)  # the one line that adds a mixer
+    REFERENCES["ema"] = Reference(ema_reference, variants=[{}, {"width": 1.5}])  # what tests/mixer_references/ema.py
     yield "ema"
-    del MIXERS["ema"]
+    MIXERS.clear()
+    MIXERS.update(mixers)
+    REFERENCES.clear()
+    REFERENCES.update(references)
 
 
 def test_a_throwaway_mixer_trains_counts_and_keeps_the_contract(ema):
@@ -86,11 +111,43 @@ def test_a_throwaway_mixer_trains_counts_and_keeps_the_contract(ema):
     forward, train = counted(lambda: model(ids)[0])
     assert_close(2 * 40 * flops.forward_flops_per_token(cfg, 40), forward)
     assert_close(2 * 40 * flops.train_flops_per_token(cfg, 40), train)
+    optimizer = torch.optim.AdamW(param_groups(model, OptimConfig()), lr=1e-2)  # the training's parameter groups
+    loss = lambda: F.cross_entropy(model(ids)[0][:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # noqa: E731
+    before = loss()
+    before.backward()
+    optimizer.step()
+    assert loss().item() < before.item()
     mixer = EMA(24, 3, 8).double()
     x = torch.randn(2, 17, 24, dtype=torch.float64)
     full, _ = mixer(x)
     torch.testing.assert_close(run_in_pieces(mixer, x, [5, 6, 15]), full, rtol=0, atol=1e-10)
     torch.testing.assert_close(run_in_pieces(mixer, x, range(1, 17)), full, rtol=0, atol=1e-10)
+
+
+def test_the_generic_mixer_tests_and_the_probes_take_a_new_mixer(ema):
+    """The tests that iterate the registry, run on the new mixer: none needs an entry for it (their tables of options
+    fall back to the defaults) but its float64 reference; the probes, the benchmark and the demo give it their
+    defaults, and the paper-size generator writes its configs (which the suite does not need)."""
+    test_mixer_math.test_every_registered_mixer_has_a_reference(ema)
+    for options in REFERENCES[ema].variants:
+        test_mixer_math.test_forward_and_gradients_equal_the_papers_equations(ema, options)
+    for T in (1, 17, 40):
+        test_mixer_contract.test_split_and_token_by_token_equal_one_call(ema, T)
+    test_mixer_resets.test_packed_row_equals_each_document_alone(ema, {})
+    test_mixer_resets.test_token_by_token_with_resets_equals_one_call(ema, {})
+    test_mixers.test_parameter_count_equals_the_built_module(ema)
+    test_mixers.test_decay_and_gate_parameters_are_not_decayed(ema)
+    test_mixers.test_bf16_forward_and_backward_match_float64(ema)
+    for size in test_flops.LAYER_SIZES:
+        test_flops.test_mixer_flops_match_the_counter(ema, size)
+    test_flops.test_model_flops_match_the_counter(ema)
+    test_flops.test_only_attention_layers_have_a_context_term()
+    assert (mqar.steps_for(ema), mqar.lr_for(ema), mqar.options_for(ema)) == (mqar.DEFAULT_STEPS, mqar.DEFAULT_LR, {})
+    assert demo_lr(ema) == DEFAULT_LR
+    jobs = icl.model_jobs([ema], ["minimal", "lm"], [1], [0], 20)
+    assert [(job.label, job.block, job.options) for job in jobs] == [(ema, "minimal", {}), (ema, "lm", {})]
+    config = yaml.safe_load(paper_sizes.config_text(ema, "145m"))
+    assert config["model"]["mixer"] == ema and config["run_dir"] == f"runs/{ema}-145m"
 
 
 def test_a_throwaway_mixer_plans_and_benchmarks(ema, tmp_path, capsys):
@@ -119,11 +176,15 @@ def test_an_unknown_or_mistyped_option_is_one_line_before_anything_is_written(em
         LMConfig(n_heads=3, mixer_options={"attention": {"n_kv_heads": 2}})
 
 
-def test_nothing_outside_mixers_and_ops_names_a_mixer():
-    """`git grep` for each mixer name (as a quoted string or an identifier) outside lm/mixers, lm/ops, configs, docs
-    and tests; "attention" is allowed as the default mixer and the comparison's reference."""
+def test_nothing_below_the_probes_names_a_mixer():
+    """`git grep` for each mixer name (as a quoted string) outside lm/mixers, lm/ops, configs, docs and tests, and
+    outside the probes, benchmarks and comparisons (lm/eval, lm/bench, lm/compare), which keep their per-mixer
+    settings keyed by mixer name (DESIGN.md, "Layout"); "attention" is allowed as the default mixer and the
+    comparison's reference. The model, the accounting and training read the protocol only."""
     names = [name for name in MIXERS if name != "attention"] + ["hawk_mesa", "mesa_attention"]
     pattern = "|".join(rf"[\"']{re.escape(n)}[\"']" for n in names)
-    found = subprocess.run(["git", "grep", "-nE", pattern, "--", ".", ":!lm/mixers", ":!lm/ops", ":!configs", ":!docs",
-                            ":!tests", ":!*.md"], cwd=ROOT, capture_output=True, text=True).stdout
+    outside = [":!lm/mixers", ":!lm/ops", ":!configs", ":!docs", ":!tests", ":!*.md", ":!lm/eval", ":!lm/bench",
+               ":!lm/compare"]
+    found = subprocess.run(["git", "grep", "--untracked", "-nE", pattern, "--", ".", *outside], cwd=ROOT,
+                           capture_output=True, text=True).stdout
     assert found == "", found

@@ -1,6 +1,6 @@
-"""Each mixer's parameter-count formula (its docstring) equals the built module, with default and other
-options; decay parameters are excluded from weight decay; in bf16 the mixers are as close to float64 as bf16
-allows."""
+"""Each mixer's parameter count (`param_count`, from a build on the meta device) equals the module built on the
+CPU, with default and other options; decay parameters are excluded from weight decay; in bf16 the mixers are as close
+to float64 as bf16 allows; the model initialises each mixer's own gates once."""
 
 import copy
 import math
@@ -29,7 +29,7 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("name", sorted(MIXERS))
-def test_parameter_count_formula(name):
+def test_parameter_count_equals_the_built_module(name):
     for options in OPTIONS.get(name, [{}]):
         mixer = MIXERS[name](48, 4, 12, 0, **options)
         assert MIXERS[name].param_count(48, 4, 12, **options) == sum(p.numel() for p in mixer.parameters()), options
@@ -94,6 +94,24 @@ def test_mesa_gate_inits_give_the_memories_they_name(init, memories):
     assert (memory.diff() >= 0).all()
     with pytest.raises(ValueError, match="gamma_init"):
         MIXERS["mesa"](32, 4, 8, 0, gamma_init="wide")
+
+
+def test_the_model_applies_gamma_init_once_and_keeps_the_mixers_gate_biases(monkeypatch):
+    """Mesa's gamma_init is applied by its constructor, once per layer: the model's init leaves the biases marked
+    own_init (Mesa's gates, mLSTM's) as the constructor set them and applies nothing a second time."""
+    import lm.mixers.mesa
+
+    cfg = LMConfig(vocab_size=50, d_model=32, n_layers=4, n_heads=4, head_dim=8, layer_pattern="mesa,mlstm",
+                   mixer_options={"mesa": {"gamma_init": "narrow"}})  # its check builds one on the meta device
+    calls = []
+    original = lm.mixers.mesa.gamma_bias
+    monkeypatch.setattr(lm.mixers.mesa, "gamma_bias", lambda *args: calls.append(args) or original(*args))
+    model = LanguageModel(cfg)
+    assert calls == [("narrow", 4)] * 2
+    for mesa, mlstm in (model.blocks[0].mixer, model.blocks[1].mixer), (model.blocks[2].mixer, model.blocks[3].mixer):
+        assert torch.equal(mesa.gamma_proj.bias, original("narrow", 4)) and not mesa.beta_proj.bias.any()
+        assert torch.equal(mlstm.fgate.bias, torch.linspace(3.0, 6.0, 4)) and (mlstm.igate.bias == -10).all()
+        assert abs(mesa.gamma_proj.weight.std().item() - model.cfg.init_std) < 0.005  # the model's init, still
 
 
 def test_parameter_groups_survive_parameters_that_lose_their_markers():

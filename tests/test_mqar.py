@@ -6,14 +6,14 @@ from multiprocessing import get_context
 import pytest
 import torch
 
-from eval.mqar import MQARTask, mqar_batch, train_mqar
+from lm.eval.mqar import MQARTask, lr_for, mqar_batch, options_for, steps_for, train_mqar
 from lm.mixers import MIXERS
 
 TASK = MQARTask(vocab=32, pairs=4)
 # Fewer steps than `lm eval mqar` takes where fewer already clear 90% by a wide margin, to keep the suite short
 # (measured on Dec 3-4 2026, seed 0, see docs/mqar.md). Mamba2, Hawk and mLSTM keep theirs: with fewer they fall
 # near or below 90%.
-TEST_STEPS = {**{name: cls.mqar_steps for name, cls in MIXERS.items()}, "attention": 500, "deltanet": 120,
+TEST_STEPS = {**{name: steps_for(name) for name in MIXERS}, "attention": 500, "deltanet": 120,
               "gated_deltanet": 120, "gla": 200, "mesa": 100}
 # Sliding-window attention computes what attention does within its window (tests/test_mixer_contract.py), and these
 # sequences are shorter than the window: its MQAR run would repeat attention's, at 1500 steps.
@@ -44,8 +44,8 @@ def learned() -> dict[str, dict]:
     order = sorted(LEARNERS, key=lambda m: -TEST_STEPS[m])
     with ProcessPoolExecutor(2, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(1,)) as pool:
-        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_STEPS[m], batch=64, lr=MIXERS[m].mqar_lr,
-                                  mixer_options=MIXERS[m].mqar_options) for m in order}
+        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_STEPS[m], batch=64, lr=lr_for(m),
+                                  mixer_options=options_for(m)) for m in order}
         return {m: future.result() for m, future in futures.items()}
 
 
@@ -56,7 +56,7 @@ def test_each_mixer_learns_mqar(mixer, learned):
 
 def test_swa_sees_half_the_mqar_sequence():
     """The grid's cells give SWA a window of half the task's length (a window of 1024 would make it attention)."""
-    from eval.mqar_grid import grid_cells
+    from lm.eval.mqar_grid import grid_cells
 
     cells = grid_cells(["swa", "attention"], [32], [4], [1e-3], [0], vocab=64, length=64, steps=1, batch=1)
     assert [cell["options"].get("window") for cell in cells] == [32, None]

@@ -1,4 +1,4 @@
-"""MQAR in zoology's fixed-length format, and `lm eval mqar-grid` (eval/mqar_grid.py) on its quick grid: the
+"""MQAR in zoology's fixed-length format, and `lm eval mqar-grid` (lm/eval/mqar_grid.py) on its quick grid: the
 outputs, resuming, one cell at a time, bad input."""
 
 import csv
@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-import eval.mqar_grid as grid
-from eval.mqar import MQARTask, mqar_batch
+import lm.eval.mqar_grid as grid
 from lm.errors import UserError
+from lm.eval.mqar import MQARTask, mqar_batch
 from lm.mixers import MIXERS
+from lm.report_section import read_section
 
 ONE = sorted(MIXERS)[:1]  # one registered mixer, whichever: the grid's machinery is what is tested here
 
@@ -106,9 +107,9 @@ def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
     assert (out / "accuracy_vs_state.png").read_bytes()[:4] == b"\x89PNG"
     # A KV cache grows with the length, a recurrent state does not; attention-like mixers are found, not named.
     assert any(r["state_grows"] == "True" for r in table) and any(r["state_grows"] == "False" for r in table)
-    header, body, images = grid.report_section(out)
-    assert header[:4] == ["mixer", "width", "params", "state floats / layer"] and len(body) == len(MIXERS)
-    assert images == [out / "accuracy_vs_state.png"]
+    heading, (header, body), images = read_section(out)  # what `lm compare report --sections` shows
+    assert heading.startswith("MQAR grid") and header[:4] == ["mixer", "width", "params", "state floats / layer"]
+    assert len(body) == len(MIXERS) and images == [out / "accuracy_vs_state.png"]
     row = next(r for r in rows if r["mixer"] == ONE[0] and r["pairs"] == 6)
     cell = {k: row[k] for k in ("name", "mixer", "options", "width", "pairs", "lr", "seed", "vocab", "length",
                                 "steps", "batch")}

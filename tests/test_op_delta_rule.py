@@ -3,6 +3,19 @@ S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = scale * S
 
 import pytest
 import torch
+from op_checks import (
+    Op,
+    assert_close,
+    check_backends,
+    check_bfloat16,
+    check_forms_agree,
+    check_gradients,
+    check_reference,
+    check_split,
+    check_strong_decay,
+    check_zero_state_is_default,
+    fake_module,
+)
 
 from lm.ops.delta_rule import delta_rule, delta_rule_recurrent
 
@@ -67,44 +80,27 @@ def ref(x):
     return reference(x["q"], x["k"], x["v"], x["beta"], x.get("log_alpha"), SCALE, x["initial_state"])
 
 
-def assert_close(a, b, tol):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-
-
+OP = Op(chunkwise, recurrent, ref)
 GATED = pytest.mark.parametrize("gated", [True, False], ids=["gated", "deltanet"])
 
 
 @GATED
 @pytest.mark.parametrize("T,chunk_size", [(1, 16), (17, 16), (64, 16), (65, 16), (200, 16), (200, 64)])
 def test_chunkwise_matches_reference_float64(T, chunk_size, gated):
-    x = make_inputs(T, gated=gated)
-    out, state = chunkwise(x, chunk_size)
-    out_ref, state_ref = ref(x)
-    assert out.shape == (B, T, H, V) and state.shape == (B, H, K, V)
-    assert out.dtype == state.dtype == torch.float64
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
+    check_reference(OP, lambda x: chunkwise(x, chunk_size), make_inputs(T, gated=gated), 1e-10,
+                    shapes=((B, T, H, V), [(B, H, K, V)]))
 
 
 @GATED
 @pytest.mark.parametrize("T", [1, 17, 65])
 def test_recurrent_matches_reference_float64(T, gated):
-    x = make_inputs(T, gated=gated)
-    out, state = recurrent(x)
-    out_ref, state_ref = ref(x)
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
+    check_reference(OP, recurrent, make_inputs(T, gated=gated), 1e-10)
 
 
 @GATED
 @pytest.mark.parametrize("T,chunk_size", [(17, 16), (200, 64)])
 def test_chunkwise_matches_recurrent_float32(T, chunk_size, gated):
-    x = make_inputs(T, torch.float32, gated=gated)
-    out, state = chunkwise(x, chunk_size)
-    out_rec, state_rec = recurrent(x)
-    assert out.dtype == state.dtype == torch.float32
-    assert_close(out, out_rec, 1e-5)
-    assert_close(state, state_rec, 1e-5)
+    check_forms_agree(OP, make_inputs(T, torch.float32, gated=gated), chunk_size, 1e-5)
 
 
 def test_log_alpha_none_means_no_decay():
@@ -116,88 +112,35 @@ def test_log_alpha_none_means_no_decay():
 
 
 def test_zero_initial_state_is_default():
-    x = make_inputs(20)
-    x["initial_state"] = torch.zeros_like(x["initial_state"])
-    out, state = delta_rule(x["q"], x["k"], x["v"], x["beta"], x["log_alpha"], SCALE, chunk_size=16)
-    assert_close(out, chunkwise(x)[0], 1e-12)
-    assert_close(state, chunkwise(x)[1], 1e-12)
+    check_zero_state_is_default(OP, make_inputs(20), lambda x: delta_rule(x["q"], x["k"], x["v"], x["beta"],
+                                                                          x["log_alpha"], SCALE, chunk_size=16))
 
 
 @GATED
 @pytest.mark.parametrize("T", [17, 65])
 def test_gradients_match_reference(T, gated):
-    x = make_inputs(T, requires_grad=True, gated=gated)
-    g = torch.Generator().manual_seed(1)
-    w_out = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
-    w_state = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
-    loss = lambda res: (res[0] * w_out).sum() + (res[1] * w_state).sum()
-    inputs = list(x.values())
-    grads = torch.autograd.grad(loss(chunkwise(x)), inputs)
-    grads_ref = torch.autograd.grad(loss(ref(x)), inputs)
-    for name, a, b in zip(x, grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8, msg=f"gradient w.r.t. {name}")
+    check_gradients(OP, chunkwise, make_inputs(T, requires_grad=True, gated=gated), 1e-8)
 
 
 @GATED
 def test_split_sequence_with_carried_state_equals_one_call(gated):
-    x = make_inputs(100, gated=gated)
-    out, state = chunkwise(x)
-    first = {n: t[:, :37] for n, t in x.items() if n != "initial_state"}
-    first["initial_state"] = x["initial_state"]
-    out1, state1 = chunkwise(first)
-    second = {n: t[:, 37:] for n, t in x.items() if n != "initial_state"}
-    second["initial_state"] = state1
-    out2, state2 = chunkwise(second)
-    assert_close(torch.cat([out1, out2], dim=1), out, 1e-10)
-    assert_close(state2, state, 1e-10)
-    # decoding: one step with the recurrent form, continuing from the chunkwise state
-    step = {n: t[:, 37:38] for n, t in x.items() if n != "initial_state"}
-    step["initial_state"] = state1
-    assert_close(recurrent(step)[0], out[:, 37:38], 1e-10)
+    # and decoding: one step with the recurrent form, continuing from the chunkwise state
+    check_split(OP, make_inputs(100, gated=gated), [37], 1e-10, decode=(37, 38, 1))
 
 
 def test_strong_decay_long_sequence_stays_finite():
-    x = make_inputs(300)
-    log_alpha = x["log_alpha"].clone()
-    log_alpha[:, 10:200:7] = -20.0  # decays of e^-20 per step: cumulative sums reach far below float range
-    log_alpha[:, 250:] = -20.0
-    x["log_alpha"] = log_alpha
-    out, state = chunkwise(x, chunk_size=64)
-    assert torch.isfinite(out).all() and torch.isfinite(state).all()
-    out_ref, state_ref = ref(x)
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
-    # float32 too, including its gradients (an inf above the diagonal would turn into NaN in the backward pass)
-    x32 = {n: t.float().requires_grad_() for n, t in x.items()}
-    out32, state32 = chunkwise(x32, chunk_size=64)
-    assert_close(out32.double(), out_ref, 1e-4)
-    (out32.sum() + state32.sum()).backward()
-    assert all(torch.isfinite(t.grad).all() for t in x32.values())
+    check_strong_decay(OP, make_inputs(300), "log_alpha")
 
 
 @GATED
 def test_bfloat16_inputs(gated):
-    x = make_inputs(70, torch.float32, gated=gated)
-    out32, state32 = chunkwise(x)
-    x16 = {n: t.bfloat16() if n != "initial_state" else t for n, t in x.items()}
-    out, state = chunkwise(x16)
-    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
-    rec_out, rec_state = recurrent(x16)
-    assert rec_out.dtype == torch.bfloat16 and rec_state.dtype == torch.float32
-    for a, b in ((out, out32), (rec_out, out32), (state, state32), (rec_state, state32)):
-        err = (a.float() - b).norm() / b.norm()
-        assert err < 2e-2, err
+    check_bfloat16(OP, make_inputs(70, torch.float32, gated=gated))
 
 
 def test_backend_checks():
     x = make_inputs(5, torch.float32)
     args = (x["q"], x["k"], x["v"], x["beta"])
-    with pytest.raises(ValueError, match="backend"):
-        delta_rule(*args, backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        delta_rule(*args, backend="fla")
-    # "auto" on CPU is the torch code
-    torch.testing.assert_close(delta_rule(*args)[0], delta_rule(*args, backend="torch")[0])
+    check_backends(lambda **kw: delta_rule(*args, **kw))
     with pytest.raises(ValueError, match="log_alpha"):
         delta_rule(*args, x["log_alpha"][:, :, :1])
 
@@ -207,9 +150,6 @@ def test_fla_glue_with_a_fake_fla(monkeypatch, gated):
     """The fla adapter (which entry point, g = log_alpha, explicit scale, initial/final state, head_first=False only
     for old fla versions that default to head-first), run against stand-ins for fla's delta-rule entry points that
     follow fla's documented semantics, since fla needs a GPU."""
-    import sys
-    import types
-
     from lm.ops.fla import fla_delta_rule
 
     calls = []
@@ -224,10 +164,8 @@ def test_fla_glue_with_a_fake_fla(monkeypatch, gated):
         calls.append("gated_delta_rule")
         return delta_rule_recurrent(q, k, v, beta, g, scale, initial_state=initial_state)
 
-    for name, fn in (("delta_rule", chunk_delta_rule), ("gated_delta_rule", chunk_gated_delta_rule)):
-        fake = types.ModuleType(f"fla.ops.{name}")
-        setattr(fake, f"chunk_{name}", fn)
-        monkeypatch.setitem(sys.modules, f"fla.ops.{name}", fake)
+    fake_module(monkeypatch, "fla.ops.delta_rule", chunk_delta_rule=chunk_delta_rule)
+    fake_module(monkeypatch, "fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk_gated_delta_rule)
     x = make_inputs(20, torch.float32, gated=gated)
     x16 = {n: t.bfloat16() if n != "initial_state" else t for n, t in x.items()}
     args = (x16["q"], x16["k"], x16["v"], x16["beta"], x16.get("log_alpha"), SCALE, x16["initial_state"])

@@ -3,6 +3,16 @@ h_t = exp(log_a_t) h_{t-1} + x_t."""
 
 import pytest
 import torch
+from op_checks import (
+    Op,
+    assert_close,
+    check_backends,
+    check_bfloat16,
+    check_reference,
+    check_split,
+    check_zero_state_is_default,
+    fake_module,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from lm.ops import diagonal_scan, diagonal_scan_recurrent
@@ -43,28 +53,11 @@ def ref(x):
     return reference(x["x"], x["log_a"], x["initial_state"])
 
 
-def gradients(fn, x, seed=1):
-    """Gradients w.r.t. every input of a random projection of fn's output and final state."""
-    out, state = fn(x)
-    g = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
-    loss = loss + (state * torch.randn(state.shape, generator=g, dtype=state.dtype)).sum()
-    return dict(zip(x, torch.autograd.grad(loss, list(x.values()))))
-
-
-def assert_close(a, b, tol, msg=None):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=msg)
+OP = Op(chunkwise, recurrent, ref)
 
 
 def check_against_reference(fn, x):
-    out, state = fn(x)
-    out_ref, state_ref = ref(x)
-    assert out.shape == out_ref.shape and state.shape == (B, D) and out.dtype == state.dtype == torch.float64
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
-    grads = gradients(fn, x)
-    for name, grad in gradients(ref, x).items():
-        assert_close(grads[name], grad, 1e-10, msg=f"gradient w.r.t. {name}")
+    check_reference(OP, fn, x, 1e-10, shapes=(tuple(x["x"].shape), [(B, D)]), grad_tol=1e-10)
 
 
 # chunk 4 on T = 200 takes three levels of chunks (200 -> 50 -> 13 -> 4)
@@ -81,23 +74,13 @@ def test_recurrent_matches_reference_float64(T):
 
 
 def test_split_sequence_with_carried_state_equals_one_call():
-    x = make_inputs(100)
-    out, state = chunkwise(x)
-    out1, state1 = chunkwise(dict(x=x["x"][:, :37], log_a=x["log_a"][:, :37], initial_state=x["initial_state"]))
-    out2, state2 = chunkwise(dict(x=x["x"][:, 37:], log_a=x["log_a"][:, 37:], initial_state=state1))
-    assert_close(torch.cat([out1, out2], dim=1), out, 1e-10)
-    assert_close(state2, state, 1e-10)
-    # decoding: one step with the recurrent form from the chunkwise state
-    out_step, _ = diagonal_scan_recurrent(x["x"][:, 37:38], x["log_a"][:, 37:38], initial_state=state1)
-    assert_close(out_step, out[:, 37:38], 1e-10)
+    # and decoding: one step with the recurrent form from the chunkwise state
+    check_split(OP, make_inputs(100), [37], 1e-10, decode=(37, 38, 1))
 
 
 def test_zero_initial_state_is_default():
-    x = make_inputs(30)
-    out, state = diagonal_scan(x["x"], x["log_a"], chunk_size=8)
-    zero = dict(x, initial_state=torch.zeros(B, D, dtype=torch.float64))
-    assert_close(out, chunkwise(zero, 8)[0], 1e-12)
-    assert_close(state, recurrent(zero)[1], 1e-12)
+    check_zero_state_is_default(OP, make_inputs(30), lambda x: diagonal_scan(x["x"], x["log_a"], chunk_size=8),
+                                recurrent_tol=1e-12, chunk_size=8)
 
 
 def test_float32_strong_decay_stays_finite_and_accurate():
@@ -117,13 +100,7 @@ def test_float32_strong_decay_stays_finite_and_accurate():
 
 
 def test_bfloat16_inputs():
-    x = make_inputs(70, torch.float32)
-    out32, state32 = chunkwise(x)
-    x16 = dict(x, x=x["x"].bfloat16(), log_a=x["log_a"].bfloat16())
-    for out, state in (chunkwise(x16), recurrent(x16)):
-        assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
-        assert (out.float() - out32).norm() / out32.norm() < 2e-2
-        assert (state - state32).norm() / state32.norm() < 2e-2
+    check_bfloat16(OP, make_inputs(70, torch.float32))
 
 
 def test_checks():
@@ -132,10 +109,7 @@ def test_checks():
         diagonal_scan(x["x"], x["log_a"][:, :4])
     with pytest.raises(ValueError, match="initial_state"):
         diagonal_scan_recurrent(x["x"], x["log_a"], initial_state=x["initial_state"][:, :2])
-    with pytest.raises(ValueError, match="backend"):
-        diagonal_scan(x["x"], x["log_a"], backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        diagonal_scan(x["x"], x["log_a"], backend="fla")
+    check_backends(lambda **kw: diagonal_scan(x["x"], x["log_a"], **kw))
 
 
 def test_flops_are_zero_for_the_counter():
@@ -150,9 +124,6 @@ def test_flops_are_zero_for_the_counter():
 def test_fla_glue_with_a_fake_fla(monkeypatch):
     """The fla adapter (g = log_a, initial/final state) against a stand-in for fla.ops.hgrn.fused_recurrent_hgrn
     following fla's naive_recurrent_hgrn, since fla needs a GPU."""
-    import sys
-    import types
-
     from lm.ops.fla import fla_diagonal_scan
 
     def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -163,9 +134,7 @@ def test_fla_glue_with_a_fake_fla(monkeypatch):
             outs.append(h)
         return torch.stack(outs, 1), h if output_final_state else None
 
-    fake = types.ModuleType("fla.ops.hgrn")
-    fake.fused_recurrent_hgrn = fused_recurrent_hgrn
-    monkeypatch.setitem(sys.modules, "fla.ops.hgrn", fake)
+    fake_module(monkeypatch, "fla.ops.hgrn", fused_recurrent_hgrn=fused_recurrent_hgrn)
     x = make_inputs(20, torch.float32)
     out, state = fla_diagonal_scan(x["x"], x["log_a"], x["initial_state"])
     out_ref, state_ref = chunkwise(x)

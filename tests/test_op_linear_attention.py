@@ -4,6 +4,19 @@ per key dimension, S_t = diag(gamma_t) S_{t-1} + beta_t k_t v_t^T."""
 
 import pytest
 import torch
+from op_checks import (
+    Op,
+    assert_close,
+    check_backends,
+    check_bfloat16,
+    check_forms_agree,
+    check_gradients,
+    check_reference,
+    check_split,
+    check_strong_decay,
+    check_zero_state_is_default,
+    fake_module,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 from lm.ops import flops as op_flops
@@ -76,38 +89,23 @@ def ref(x):
     return reference(x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], SCALE, x["initial_state"])
 
 
-def assert_close(a, b, tol):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+OP = Op(chunkwise, recurrent, ref)
 
 
 @pytest.mark.parametrize("T,chunk_size", [(1, 16), (17, 16), (64, 16), (65, 16), (200, 16), (200, 64)])
 def test_chunkwise_matches_reference_float64(T, chunk_size):
-    x = make_inputs(T)
-    out, state = chunkwise(x, chunk_size)
-    out_ref, state_ref = ref(x)
-    assert out.shape == (B, T, H, V) and state.shape == (B, H, K, V)
-    assert out.dtype == state.dtype == torch.float64
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
+    check_reference(OP, lambda x: chunkwise(x, chunk_size), make_inputs(T), 1e-10,
+                    shapes=((B, T, H, V), [(B, H, K, V)]))
 
 
 @pytest.mark.parametrize("T", [1, 17, 65])
 def test_recurrent_matches_reference_float64(T):
-    x = make_inputs(T)
-    out, state = recurrent(x)
-    out_ref, state_ref = ref(x)
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
+    check_reference(OP, recurrent, make_inputs(T), 1e-10)
 
 
 @pytest.mark.parametrize("T,chunk_size", [(17, 16), (200, 64)])
 def test_chunkwise_matches_recurrent_float32(T, chunk_size):
-    x = make_inputs(T, torch.float32)
-    out, state = chunkwise(x, chunk_size)
-    out_rec, state_rec = recurrent(x)
-    assert out.dtype == state.dtype == torch.float32
-    assert_close(out, out_rec, 1e-5)
-    assert_close(state, state_rec, 1e-5)
+    check_forms_agree(OP, make_inputs(T, torch.float32), chunk_size, 1e-5)
 
 
 def test_beta_none_means_one():
@@ -119,87 +117,32 @@ def test_beta_none_means_one():
 
 
 def test_zero_initial_state_is_default():
-    x = make_inputs(20)
-    x["initial_state"] = torch.zeros_like(x["initial_state"])
-    out, state = linear_attention(x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], SCALE, chunk_size=16)
-    assert_close(out, chunkwise(x)[0], 1e-12)
-    assert_close(state, chunkwise(x)[1], 1e-12)
+    check_zero_state_is_default(OP, make_inputs(20), lambda x: linear_attention(
+        x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], SCALE, chunk_size=16))
 
 
 @pytest.mark.parametrize("T", [17, 65])
 def test_gradients_match_reference(T):
-    x = make_inputs(T, requires_grad=True)
-    g = torch.Generator().manual_seed(1)
-    w_out = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
-    w_state = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
-    loss = lambda res: (res[0] * w_out).sum() + (res[1] * w_state).sum()
-    inputs = list(x.values())
-    grads = torch.autograd.grad(loss(chunkwise(x)), inputs)
-    grads_ref = torch.autograd.grad(loss(ref(x)), inputs)
-    for name, a, b in zip(x, grads, grads_ref):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8, msg=f"gradient w.r.t. {name}")
+    check_gradients(OP, chunkwise, make_inputs(T, requires_grad=True), 1e-8)
 
 
 def test_split_sequence_with_carried_state_equals_one_call():
-    x = make_inputs(100)
-    out, state = chunkwise(x)
-    first = {n: t[:, :37] for n, t in x.items() if n != "initial_state"}
-    first["initial_state"] = x["initial_state"]
-    out1, state1 = chunkwise(first)
-    second = {n: t[:, 37:] for n, t in x.items() if n != "initial_state"}
-    second["initial_state"] = state1
-    out2, state2 = chunkwise(second)
-    assert_close(torch.cat([out1, out2], dim=1), out, 1e-10)
-    assert_close(state2, state, 1e-10)
-    # decoding: one step at a time with the recurrent form, continuing from the chunkwise state
-    step = {n: t[:, 37:38] for n, t in x.items() if n != "initial_state"}
-    out_step, _ = linear_attention_recurrent(
-        step["q"], step["k"], step["v"], step["log_gamma"], step["beta"], SCALE, initial_state=state1
-    )
-    assert_close(out_step, out[:, 37:38], 1e-10)
+    # and decoding: one step with the recurrent form, continuing from the chunkwise state
+    check_split(OP, make_inputs(100), [37], 1e-10, decode=(37, 38, 1))
 
 
 def test_strong_decay_long_sequence_stays_finite():
-    x = make_inputs(300)
-    log_gamma = x["log_gamma"].clone()
-    log_gamma[:, 10:200:7] = -20.0  # decays of e^-20 per step: cumulative sums reach far below float range
-    log_gamma[:, 250:] = -20.0
-    x["log_gamma"] = log_gamma
-    out, state = chunkwise(x, chunk_size=64)
-    assert torch.isfinite(out).all() and torch.isfinite(state).all()
-    out_ref, state_ref = ref(x)
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
-    # float32 too, including its gradients (an inf above the diagonal would turn into NaN in the backward pass)
-    x32 = {n: t.float().requires_grad_() for n, t in x.items()}
-    out32, state32 = chunkwise(x32, chunk_size=64)
-    assert_close(out32.double(), out_ref, 1e-4)
-    (out32.sum() + state32.sum()).backward()
-    assert all(torch.isfinite(t.grad).all() for t in x32.values())
+    check_strong_decay(OP, make_inputs(300), "log_gamma")
 
 
 def test_bfloat16_inputs():
-    x = make_inputs(70, torch.float32)
-    out32, state32 = chunkwise(x)
-    x16 = {n: t.bfloat16() if n != "initial_state" else t for n, t in x.items()}
-    out, state = chunkwise(x16)
-    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
-    rec_out, rec_state = recurrent(x16)
-    assert rec_out.dtype == torch.bfloat16 and rec_state.dtype == torch.float32
-    for a, b in ((out, out32), (rec_out, out32), (state, state32), (rec_state, state32)):
-        err = (a.float() - b).norm() / b.norm()
-        assert err < 2e-2, err
+    check_bfloat16(OP, make_inputs(70, torch.float32))
 
 
 def test_backend_checks():
     x = make_inputs(5, torch.float32)
     args = (x["q"], x["k"], x["v"], x["log_gamma"])
-    with pytest.raises(ValueError, match="backend"):
-        linear_attention(*args, backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        linear_attention(*args, backend="fla")
-    # "auto" on CPU is the torch code
-    torch.testing.assert_close(linear_attention(*args)[0], linear_attention(*args, backend="torch")[0])
+    check_backends(lambda **kw: linear_attention(*args, **kw))
     with pytest.raises(ValueError, match="log_gamma"):
         linear_attention(x["q"], x["k"], x["v"], x["log_gamma"][:, :, :1])
 
@@ -207,9 +150,6 @@ def test_backend_checks():
 def test_fla_glue_with_a_fake_fla(monkeypatch):
     """The fla adapter (beta folded into k, explicit scale, initial/final state, no head_first for fla >= 0.6), run
     against a stand-in for fla.ops.simple_gla that follows fla's documented semantics, since fla needs a GPU."""
-    import sys
-    import types
-
     from lm.ops.fla import fla_linear_attention
 
     calls = []
@@ -221,9 +161,7 @@ def test_fla_glue_with_a_fake_fla(monkeypatch):
         out, state = linear_attention_recurrent(q, k, v, g, None, scale, initial_state=initial_state)
         return out, state if output_final_state else None
 
-    fake = types.ModuleType("fla.ops.simple_gla")
-    fake.chunk_simple_gla = chunk_simple_gla
-    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", fake)
+    fake_module(monkeypatch, "fla.ops.simple_gla", chunk_simple_gla=chunk_simple_gla)
     x = make_inputs(20, torch.float32)
     out, state = fla_linear_attention(
         x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], SCALE, initial_state=x["initial_state"]
@@ -237,64 +175,30 @@ def test_fla_glue_with_a_fake_fla(monkeypatch):
 # --- per-key decay (GLA) ---------------------------------------------------------------------------------------------
 
 
-def gradients(fn, x, seed=1):
-    """Gradients w.r.t. every input of a random projection of fn's output and final state."""
-    out, state = fn(x)
-    g = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
-    loss = loss + (state * torch.randn(state.shape, generator=g, dtype=state.dtype)).sum()
-    return dict(zip(x, torch.autograd.grad(loss, list(x.values()))))
-
-
 @pytest.mark.parametrize(
     "T,chunk_size,sub_chunk",
     [(1, 16, 4), (17, 16, 4), (64, 16, 4), (65, 16, 4), (200, 16, 4), (200, 64, 16), (50, 24, 16)],
 )
 def test_per_key_chunkwise_matches_reference_float64(T, chunk_size, sub_chunk):
-    x = make_per_key_inputs(T, requires_grad=True)
-    out, state = chunkwise(x, chunk_size, sub_chunk=sub_chunk)
-    out_ref, state_ref = ref(x)
-    assert out.shape == (B, T, H, V) and state.shape == (B, H, K, V) and out.dtype == torch.float64
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
-    grads = gradients(lambda x: chunkwise(x, chunk_size, sub_chunk=sub_chunk), x)
-    for name, grad in gradients(ref, x).items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-10, msg=f"gradient w.r.t. {name}")
+    check_reference(OP, lambda x: chunkwise(x, chunk_size, sub_chunk=sub_chunk),
+                    make_per_key_inputs(T, requires_grad=True), 1e-10, shapes=((B, T, H, V), [(B, H, K, V)]),
+                    grad_tol=1e-10)
 
 
 @pytest.mark.parametrize("T", [1, 17, 65])
 def test_per_key_recurrent_matches_reference_float64(T):
-    x = make_per_key_inputs(T, requires_grad=True)
-    out, state = recurrent(x)
-    out_ref, state_ref = ref(x)
-    assert_close(out, out_ref, 1e-10)
-    assert_close(state, state_ref, 1e-10)
-    grads = gradients(recurrent, x)
-    for name, grad in gradients(ref, x).items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-10, msg=f"gradient w.r.t. {name}")
+    check_reference(OP, recurrent, make_per_key_inputs(T, requires_grad=True), 1e-10, grad_tol=1e-10)
 
 
 def test_per_key_split_sequence_with_carried_state_equals_one_call():
-    x = make_per_key_inputs(100)
-    out, state = chunkwise(x, sub_chunk=4)
-    first = dict({n: t[:, :37] for n, t in x.items()}, initial_state=x["initial_state"])
-    out1, state1 = chunkwise(first, sub_chunk=4)
-    second = dict({n: t[:, 37:] for n, t in x.items()}, initial_state=state1)
-    out2, state2 = chunkwise(second, sub_chunk=4)
-    assert_close(torch.cat([out1, out2], dim=1), out, 1e-10)
-    assert_close(state2, state, 1e-10)
-    # decoding one step with the recurrent form from the chunkwise state
-    step = dict({n: t[:, 37:38] for n, t in x.items()}, initial_state=state1)
-    assert_close(recurrent(step)[0], out[:, 37:38], 1e-10)
+    # and decoding one step with the recurrent form from the chunkwise state
+    check_split(OP, make_per_key_inputs(100), [37], 1e-10, decode=(37, 38, 1), sub_chunk=4)
 
 
 def test_per_key_chunkwise_matches_recurrent_float32():
     x = make_per_key_inputs(100, torch.float32)
-    out, state = chunkwise(x, 64, sub_chunk=16)
-    out_rec, state_rec = recurrent(x)
-    assert out.dtype == state.dtype == torch.float32
-    assert_close(out, out_rec, 1e-5)
-    assert_close(state, state_rec, 1e-5)
+    check_forms_agree(OP, x, 64, 1e-5, sub_chunk=16)
+    out, _ = chunkwise(x, 64, sub_chunk=16)
     # Against the exact result: 3.5e-6 at worst (the recurrent form: 1.6e-6). Exponents taken as differences of
     # chunk-level cumulative sums instead of direct sums measured 1.3e-5.
     out_ref, _ = ref({n: t.double() for n, t in x.items()})
@@ -360,9 +264,6 @@ def test_gla_flops_match_the_counter(T, chunk_size, sub_chunk):
 def test_fla_gla_glue_with_a_fake_fla(monkeypatch):
     """The per-key fla adapter (beta folded into k, explicit scale, initial/final state) against a stand-in for
     fla.ops.gla.chunk_gla following fla's documented semantics (g: [B, T, H, K] log-decay), since fla needs a GPU."""
-    import sys
-    import types
-
     from lm.ops.fla import fla_linear_attention
 
     calls = []
@@ -373,9 +274,7 @@ def test_fla_gla_glue_with_a_fake_fla(monkeypatch):
         out, state = linear_attention_recurrent(q, k, v, g, None, scale, initial_state=initial_state)
         return out, state if output_final_state else None
 
-    fake = types.ModuleType("fla.ops.gla")
-    fake.chunk_gla = chunk_gla
-    monkeypatch.setitem(sys.modules, "fla.ops.gla", fake)
+    fake_module(monkeypatch, "fla.ops.gla", chunk_gla=chunk_gla)
     x = make_per_key_inputs(20, torch.float32)
     out, state = fla_linear_attention(x["q"], x["k"], x["v"], x["log_gamma"], x["beta"], SCALE,
                                       initial_state=x["initial_state"])

@@ -2,12 +2,10 @@
 G_t = gamma_t G_{t-1} + beta_t v_t k_t^T and H_t = gamma_t H_{t-1} + beta_t k_t k_t^T and solves
 (H_t + diag(lam)) x_t = q_t with torch.linalg.solve; o_t = G_t x_t."""
 
-import sys
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
+from op_checks import Op, check_backends, check_forms_agree, check_reference, check_split, fake_module
 
 from lm.ops.linear_attention import linear_attention
 from lm.ops.mesa import mesa, mesa_recurrent
@@ -70,6 +68,9 @@ def ref(x):
     return reference(*args(x), (x["G0"], x["H0"]))
 
 
+OP = Op(chunkwise, recurrent, ref, state=("G0", "H0"), static=("lam",))
+
+
 def assert_close(a, b, tol, msg=None):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=msg)
 
@@ -95,24 +96,13 @@ def realistic_inputs(T, Kd, dtype=torch.float32, seed=0, b=2, h=2, Vd=None):
 
 @pytest.mark.parametrize("T,chunk_size", [(1, 16), (33, 16), (64, 16), (130, 16), (130, 64)])
 def test_chunkwise_matches_reference_float64(T, chunk_size):
-    x = make_inputs(T)
-    out, (G, Hs) = chunkwise(x, chunk_size)
-    out_ref, (G_ref, H_ref) = ref(x)
-    assert out.shape == (B, T, H, V) and G.shape == (B, H, V, K) and Hs.shape == (B, H, K, K)
-    assert out.dtype == G.dtype == Hs.dtype == torch.float64
-    assert_close(out, out_ref, 1e-8)
-    assert_close(G, G_ref, 1e-8)
-    assert_close(Hs, H_ref, 1e-8)
+    check_reference(OP, lambda x: chunkwise(x, chunk_size), make_inputs(T), 1e-8,
+                    shapes=((B, T, H, V), [(B, H, V, K), (B, H, K, K)]))
 
 
 @pytest.mark.parametrize("T", [1, 33])
 def test_recurrent_matches_reference_float64(T):
-    x = make_inputs(T)
-    out, (G, Hs) = recurrent(x)
-    out_ref, (G_ref, H_ref) = ref(x)
-    assert_close(out, out_ref, 1e-8)
-    assert_close(G, G_ref, 1e-8)
-    assert_close(Hs, H_ref, 1e-8)
+    check_reference(OP, recurrent, make_inputs(T), 1e-8)
 
 
 def test_zero_initial_state_is_default():
@@ -220,29 +210,12 @@ def test_gradcheck():
 
 @pytest.mark.parametrize("T", [17, 70])
 def test_recurrent_equals_chunkwise(T):
-    x = make_inputs(T, seed=2)
-    out, (G, Hs) = chunkwise(x)
-    out_rec, (G_rec, H_rec) = recurrent(x)
-    assert_close(out_rec, out, 1e-8)
-    assert_close(G_rec, G, 1e-10)
-    assert_close(H_rec, Hs, 1e-10)
+    check_forms_agree(OP, make_inputs(T, seed=2), 16, 1e-8, state_tol=1e-10)
 
 
 def test_split_sequence_with_carried_state_equals_one_call():
-    x = make_inputs(100, seed=4)
-    out, (G, Hs) = chunkwise(x)
-    seq = ("q", "k", "v", "log_gamma", "beta")
-    first = dict(x, **{n: x[n][:, :37] for n in seq})
-    out1, (G1, H1) = chunkwise(first)
-    second = dict(x, G0=G1, H0=H1, **{n: x[n][:, 37:] for n in seq})
-    out2, (G2, H2) = chunkwise(second)
-    assert_close(torch.cat([out1, out2], dim=1), out, 1e-8)
-    assert_close(G2, G, 1e-10)
-    assert_close(H2, Hs, 1e-10)
-    # decoding: one step at a time with the recurrent form, continuing from the chunkwise state
-    step = dict(x, G0=G1, H0=H1, **{n: x[n][:, 37:39] for n in seq})
-    out_step, _ = recurrent(step)
-    assert_close(out_step, out[:, 37:39], 1e-8)
+    # and decoding: two steps with the recurrent form, continuing from the chunkwise state
+    check_split(OP, make_inputs(100, seed=4), [37], 1e-8, state_tol=1e-10, decode=(37, 39, 2))
 
 
 def test_tolerance_saves_iterations_at_small_error():
@@ -507,12 +480,8 @@ def test_argument_checks():
         mesa(*args(x), cg_steps=-1)
     with pytest.raises(ValueError, match="cg_tol"):
         mesa(*args(x), cg_tol=0.0)
-    with pytest.raises(ValueError, match="backend"):
-        mesa(*args(x), backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        mesa(*args(x), backend="fla")
     # "auto" is the torch code (on CPU, and on GPU too: see mesa's docstring)
-    torch.testing.assert_close(mesa(*args(x))[0], mesa(*args(x), backend="torch")[0])
+    check_backends(lambda **kw: mesa(*args(x), **kw))
 
 
 def test_fla_glue_with_a_fake_fla(monkeypatch):
@@ -539,9 +508,7 @@ def test_fla_glue_with_a_fake_fla(monkeypatch):
             outs.append((h_kv.mT @ x)[..., 0])
         return torch.stack(outs, 1).to(q.dtype), h_kk, h_kv
 
-    fake = types.ModuleType("fla.ops.mesa_net")
-    fake.chunk_mesa_net = chunk_mesa_net
-    monkeypatch.setitem(sys.modules, "fla.ops.mesa_net", fake)
+    fake_module(monkeypatch, "fla.ops.mesa_net", chunk_mesa_net=chunk_mesa_net)
     x = make_inputs(20, torch.float32, shape=(B, H, K, K))
     out, (G, Hs) = fla_mesa(*args(x), 7, (x["G0"], x["H0"]))
     assert calls == [7]

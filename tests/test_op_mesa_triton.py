@@ -237,11 +237,11 @@ def test_kernel_chunk():
 
 
 def test_kernels_compile_for_hopper():
-    """The interpreter runs what Triton's compiler might reject: `python -m bench.kernel_resources` compiles both
+    """The interpreter runs what Triton's compiler might reject: `python -m lm.bench.kernel_resources` compiles both
     kernels for sm_90 (no GPU needed) and reports what a program asks of an SM, in a process of its own (this one
     has the interpreter on)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--shapes", "16,16,16"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "lm.bench.kernel_resources", "--shapes", "16,16,16"], env=env,
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]

@@ -3,9 +3,20 @@ C_t = f_t C_{t-1} + exp(i_t) k_t v_t^T, n_t = f_t n_{t-1} + exp(i_t) k_t, h_t = 
 
 import functools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from op_checks import (
+    Op,
+    assert_close,
+    check_backends,
+    check_forms_agree,
+    check_gradients,
+    check_reference,
+    check_split,
+    check_zero_state_is_default,
+)
 
 from lm.ops.mlstm import _kernel_unusable_reason, mlstm, mlstm_recurrent
 
@@ -74,8 +85,8 @@ def unstabilised(s):
     return C * m.exp()[..., None, None], n * m.exp()[..., None]
 
 
-def assert_close(a, b, tol):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+OP = Op(chunkwise, recurrent, ref, state=("C", "n", "m"), exact=unstabilised)  # eps = 0: equal to the reference
+EPS = replace(OP, chunkwise=functools.partial(chunkwise, eps=1e-6), recurrent=functools.partial(recurrent, eps=1e-6))
 
 
 def relative_close(a, b, tol):
@@ -86,52 +97,24 @@ def relative_close(a, b, tol):
 
 @pytest.mark.parametrize("T, chunk_size", [(1, 16), (17, 16), (64, 16), (65, 16), (200, 16), (200, 64)])
 def test_chunkwise_matches_reference(T, chunk_size):
-    x = make_inputs(T)
-    out, final = chunkwise(x, chunk_size)
-    ref_out, ref_final = ref(x)
-    assert out.shape == (B, T, H, V) and out.dtype == torch.float64
-    assert [tuple(s.shape) for s in final] == [(B, H, K, V), (B, H, K), (B, H)]
-    assert_close(out, ref_out, 1e-10)
-    for got, want in zip(unstabilised(final), ref_final):
-        assert_close(got, want, 1e-10)
+    check_reference(OP, lambda x: chunkwise(x, chunk_size), make_inputs(T), 1e-10,
+                    shapes=((B, T, H, V), [(B, H, K, V), (B, H, K), (B, H)]))
 
 
 @pytest.mark.parametrize("T", [1, 17, 65])
 def test_recurrent_matches_reference(T):
-    x = make_inputs(T, seed=1)
-    out, final = recurrent(x)
-    ref_out, ref_final = ref(x)
-    assert_close(out, ref_out, 1e-10)
-    for got, want in zip(unstabilised(final), ref_final):
-        assert_close(got, want, 1e-10)
+    check_reference(OP, recurrent, make_inputs(T, seed=1), 1e-10)
 
 
 def test_zero_initial_state_is_none():
-    x = make_inputs(40)
-    zeros = (
-        torch.zeros(B, H, K, V, dtype=torch.float64),
-        torch.zeros(B, H, K, dtype=torch.float64),
-        torch.zeros(B, H, dtype=torch.float64),
-    )
-    out, final = mlstm(*args(x), chunk_size=16, backend="torch")
-    out0, final0 = mlstm(*args(x), initial_state=zeros, chunk_size=16, backend="torch")
-    rec, rec_final = mlstm_recurrent(*args(x))
-    assert_close(out, out0, 1e-12)
-    assert_close(out, rec, 1e-10)
-    for a, b, c in zip(final, final0, rec_final):
-        assert_close(a, b, 1e-12)
-        assert_close(a, c, 1e-10)
+    check_zero_state_is_default(EPS, make_inputs(40), lambda x: mlstm(*args(x), chunk_size=16, backend="torch"),
+                                recurrent_tol=1e-10)
 
 
 @pytest.mark.parametrize("T, chunk_size", [(1, 64), (200, 64), (200, 16)])
 def test_chunkwise_matches_recurrent_float32(T, chunk_size):
-    x = make_inputs(T, dtype=torch.float32, seed=2)
-    out, final = chunkwise(x, chunk_size, eps=1e-6)
-    rec, rec_final = recurrent(x, eps=1e-6)
-    assert out.dtype == torch.float32 and all(s.dtype == torch.float32 for s in final)
-    assert_close(out, rec, 1e-5)
-    for got, want in zip(final, rec_final):  # same m recursion, so the stabilised states agree directly
-        assert_close(got, want, 1e-5)
+    # the same m recursion, so the stabilised states agree directly
+    check_forms_agree(EPS, make_inputs(T, dtype=torch.float32, seed=2), chunk_size, 1e-5)
 
 
 def test_eps_changes_output_by_about_eps():
@@ -146,37 +129,13 @@ def test_eps_changes_output_by_about_eps():
 @pytest.mark.parametrize("form", ["chunkwise", "recurrent"])
 def test_gradients_match_reference(form):
     """Gradients w.r.t. every input and the initial state, through the outputs and the (unstabilised) final state."""
-    x = make_inputs(37, seed=4, requires_grad=True)
-    g = torch.Generator().manual_seed(5)
-    w_out, w_C, w_n = (
-        torch.randn(*s, generator=g, dtype=torch.float64) for s in [(B, 37, H, V), (B, H, K, V), (B, H, K)]
-    )
-
-    def loss(out, C, n):
-        return (out * w_out).sum() + (C * w_C).sum() + (n * w_n).sum()
-
-    out, final = chunkwise(x) if form == "chunkwise" else recurrent(x)
-    got = torch.autograd.grad(loss(out, *unstabilised(final)), list(x.values()))
-    ref_out, ref_final = ref(x)
-    want = torch.autograd.grad(loss(ref_out, *ref_final), list(x.values()))
-    for name, a, b in zip(x, got, want):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, name=name: f"d/d{name}: {m}")
+    check_gradients(OP, chunkwise if form == "chunkwise" else recurrent, make_inputs(37, seed=4, requires_grad=True),
+                    1e-9, seed=5)
 
 
 def test_split_with_carried_state_matches_one_call():
     """Prefill in uneven pieces (chunkwise), then decode token by token (recurrent): same as one call, eps included."""
-    x = make_inputs(90, seed=6)
-    whole, whole_final = mlstm(*args(x), initial_state=state(x), chunk_size=16, backend="torch")
-    s, outs = state(x), []
-    for lo, hi in [(0, 33), (33, 34), (34, 80)]:
-        out, s = mlstm(*(t[:, lo:hi] for t in args(x)), initial_state=s, chunk_size=16, backend="torch")
-        outs.append(out)
-    for t in range(80, 90):
-        out, s = mlstm_recurrent(*(a[:, t : t + 1] for a in args(x)), initial_state=s)
-        outs.append(out)
-    assert_close(torch.cat(outs, dim=1), whole, 1e-10)
-    for got, want in zip(s, whole_final):
-        assert_close(got, want, 1e-10)
+    check_split(EPS, make_inputs(90, seed=6), [33, 34, 80], 1e-10, decode=(80, 90, 1))
 
 
 def test_extreme_gates_stay_finite_float32():
@@ -216,10 +175,7 @@ def test_bfloat16_inputs():
 
 def test_backend_and_shape_checks():
     x = make_inputs(8)
-    with pytest.raises(ValueError, match="backend"):
-        mlstm(*args(x), backend="cuda")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        mlstm(*args(x), backend="mlstm_kernels")
+    check_backends(lambda **kw: mlstm(*args(x), **kw), kernel="mlstm_kernels")
     out, _ = mlstm(*args(x), backend="auto")  # CPU: falls back to torch
     assert out.shape == (B, 8, H, V)
     with pytest.raises(ValueError, match="initial_state"):

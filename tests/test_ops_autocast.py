@@ -5,7 +5,7 @@ call. (Mesa on ill-conditioned inputs, and a model under autocast: tests/test_op
 import pytest
 import torch
 
-from bench.mixer_speed import OPS, bench_mixer_names, op_inputs
+from lm.bench.mixer_speed import OPS, bench_mixer_names, op_inputs
 
 
 def flat(result):

@@ -62,7 +62,7 @@ def test_kernel_output_states_and_gradients_but_dq_match_torch(dtype, tol, T, wi
 
 # On the lent H200 (2026-12-04, mlstm_kernels 2.0.6, Triton 3.6.0) the kernel's dq was far from the torch code's
 # (relative RMS error 1.04 at T 64 in bf16; docs/performance.md). The cause, found since on the CPU under Triton's
-# interpreter (bench/mlstm_kernels_grad.py): the kernel's backward treats the normaliser as a constant. So "auto"
+# interpreter (lm/bench/mlstm_kernels_grad.py): the kernel's backward treats the normaliser as a constant. So "auto"
 # never picks the kernel; strict, so that a kernel whose dq agrees fails here and this mark is revisited.
 @pytest.mark.xfail(reason="mlstm_kernels' backward treats the normaliser as a constant", strict=True)
 @DTYPES
@@ -75,7 +75,7 @@ def test_kernel_dq_matches_torch(dtype, tol, T, with_state):
 def test_kernel_gradients_are_those_of_a_constant_normaliser():
     """The cause of the dq above: the kernel's gradients are the float64 layer's with max(|n . q^|, exp(-m)) detached
     (all five within TF32 rounding), and not the layer's own (dq and dk far off)."""
-    from bench.mlstm_kernels_grad import compare
+    from lm.bench.mlstm_kernels_grad import compare
 
     rows = {row["reference"]: row for row in compare(T=64, heads=4, K=64, V=64)["rows"]}
     constant, exact = rows["float64 layer, constant normaliser"], rows["float64 layer"]

@@ -20,10 +20,10 @@ import torch
 
 from lm.cli import main
 from lm.errors import UserError
+from lm.slurm.submit import submit_from_args, sweep_runs
 from lm.training.checkpoint import newest_checkpoint
 from lm.training.launch_guard import LOCK_NAME, check_slurm_launch
 from lm.training.stop_request import STOPPED_EXIT_CODE
-from slurm.submit import submit_from_args, sweep_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "slurm" / "local_cluster.sh"
@@ -406,7 +406,7 @@ def test_eval_arrays_are_checked(args, message):
 
 
 def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
-    from eval.mqar_grid import mqar_grid
+    from lm.eval.mqar_grid import mqar_grid
     from lm.mixers import MIXERS
 
     out, mixer = tmp_path / "grid", sorted(MIXERS)[0]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lm.cli import main
-from lm.config import parse_run_config
 from lm.training.checkpoint import newest_checkpoint, step_checkpoints
+from lm.training.config import parse_run_config
 from lm.training.train import train
 
 STEPS = 8
@@ -305,7 +305,7 @@ def test_unknown_key_from_the_real_command_line(kjv_data, tmp_path):
 
 
 def test_perplexity_by_position_and_generation(straight, capsys):
-    from eval.ppl import evaluate_ppl
+    from lm.eval.ppl import evaluate_ppl
     from lm.generate import generate_text
 
     result = evaluate_ppl(str(straight))
@@ -320,8 +320,8 @@ def test_perplexity_by_position_and_generation(straight, capsys):
 
 
 def test_perplexity_at_longer_lengths_and_against_a_reference(straight, tmp_path):
-    from eval.ppl import evaluate_ppl
     from lm.errors import UserError
+    from lm.eval.ppl import evaluate_ppl
 
     result = evaluate_ppl(str(straight), multiples=[1, 2, 4], max_windows=8, out=str(tmp_path / "own"))
     assert sorted(result["ppl_by_length"]) == [64, 128, 256] and result["seq_len"] == 64
@@ -355,7 +355,7 @@ def test_mesa_run_logs_its_solves_gates_and_conditioning(kjv_data, tmp_path):
     for key in ("lambda_min", "lambda_mean", "gamma_mean", "beta_mean", "cg_diag_ratio", "cg_residual"):
         assert logged(f"train/layer1/{key}") and logged(f"val/layer1/{key}"), key
     assert all(abs(value - 1) < 0.1 for value in logged("train/layer0/lambda_mean"))  # initialised at 1
-    from eval.ppl import evaluate_ppl
+    from lm.eval.ppl import evaluate_ppl
 
     result = evaluate_ppl(str(run_dir), max_windows=4, out=str(tmp_path / "ppl"))
     assert 0 < result["mixer_metrics"]["cg_iterations"] <= 4 and "layer1/gamma_mean" in result["mixer_metrics"]

@@ -7,11 +7,12 @@ Elementwise work and reductions are not counted, as is usual for MFU: norms, act
 the chunk scan's state decay, the mLSTM normaliser's sums and CG's dot products and vector updates (about 12K per
 CG step, token and head: ~2% of a step at K = 128, C = 64).
 
-A layer's forward is 2 x its mixer's parameters (each mixer's `param_count`: projections and convolutions; the few
-vector parameters, such as norm gains, gate biases and decay rates, stand in for elementwise work of about that size)
-plus its sequence op, as the mixer's own file counts it (`flops_per_token`, `op_flops_per_token`): for attention the
-causal average context (T + 1) / 2, what a causal kernel that skips masked blocks does (sliding-window attention's
-window caps it; only attention layers have a T-term); for the recurrent mixers their chunkwise op (lm/ops/flops.py).
+A layer's forward is 2 x its mixer's parameters (each mixer's `param_count`, counted on a build on the meta device:
+projections and convolutions; the few vector parameters, such as norm gains, gate biases and decay rates, stand in for
+elementwise work of about that size) plus its sequence op, as the mixer's own file counts it (`flops_per_token`,
+`op_flops_per_token`): for attention the causal average context (T + 1) / 2, what a causal kernel that skips masked
+blocks does (sliding-window attention's window caps it; only attention layers have a T-term); for the recurrent mixers
+their chunkwise op (lm/ops/flops.py).
 Training is 3x the forward for every matrix product (the backward computes two products of the same size per
 product), except:
 - the delta rule's triangular solve, whose backward is one more solve plus a full C x C x (K + V) product, and its
@@ -54,7 +55,8 @@ def mixer_params(name: str, cfg: LMConfig) -> int:
 
 
 def param_count(cfg: LMConfig, embeddings: bool = True) -> int:
-    """Parameters of the model, from the formulas (equal to sum(p.numel()); tested)."""
+    """Parameters of the model: each layer's mixer (its `param_count`) plus the backbone's formula (equal to
+    sum(p.numel()); tested)."""
     d = cfg.d_model
     block = 3 * d * cfg.mlp_hidden + 2 * d
     total = sum(mixer_params(name, cfg) + block for name in cfg.layer_mixers()) + d

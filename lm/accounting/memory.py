@@ -9,13 +9,13 @@
 
 Activations are counted, not guessed: one block of each mixer runs forward on the CPU at the real width over two
 short lengths, under the step's precision, and every tensor autograd saves is summed once (parameters excluded). The
-two lengths give bytes = a + b T per sequence, which bench/memory.py showed holds for every mixer (linear in T).
+two lengths give bytes = a + b T per sequence, which lm/bench/memory.py showed holds for every mixer (linear in T).
 
 The peak: weights + optimizer state + the autocast cache, plus the larger of two moments. At the start of the backward
 pass: all activations + what the head keeps (its weight's and input's gradients) + the larger of the loss's chunk
 buffers (which exist only in the forward) and one block's transient with Mesa's buffers. At its end: all gradients +
 the head's gradient. With activation checkpointing each block keeps only its input, and one block's activations
-exist again while it is recomputed. `bench/plan_memory.py --check` holds this to measured CPU peaks.
+exist again while it is recomputed. `lm/bench/plan_memory.py --check` holds this to measured CPU peaks.
 """
 
 from dataclasses import dataclass, replace

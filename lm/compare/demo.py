@@ -1,5 +1,5 @@
 """`lm compare demo`: the showcase comparison on a 2-core CPU. Every registered mixer and the MesaNet paper's hybrids
-(configs/paper_sizes.py) at matched parameters (lm compare plan) train on the bundled corpus for the same tokens,
+(lm/compare/paper_sizes.py) at matched parameters (lm compare plan) train on the bundled corpus for the same tokens,
 `lm eval ppl` evaluates each, `lm eval mqar` probes recall, a quick `lm eval icl` in-context regression, and
 `lm compare report` puts it all side by side, the MQAR table and the regression's section included.
 
@@ -16,49 +16,40 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import yaml
 
 from lm.errors import UserError
+from lm.output import write_json
+from lm.workers import run_jobs
 
-# Each mixer trains at its class's `demo_lr` (a hybrid at its first mixer's), one run each, not swept:
-# configs/demo.yaml's 3e-3 for attention and mLSTM, and a little more for the others, on the guess that they take a
-# higher lr. A real comparison sweeps them (lm compare plan --lrs).
+# Each mixer trains at its LRS entry (a hybrid at its first mixer's), one run each, not swept: configs/demo.yaml's
+# 3e-3 for attention, SWA and mLSTM, and a little more (DEFAULT_LR) for the others and for a mixer not listed, on the
+# guess that they take a higher lr. A real comparison sweeps them (lm compare plan --lrs).
+DEFAULT_LR = 4e-3
+LRS = {"attention": 3e-3, "swa": 3e-3, "mlstm": 3e-3}
 VAL_POINTS = 8  # validations per run: the loss curves' points
 MQAR_COLUMNS = ("mixer", "params", "state floats", "steps", "accuracy", "final loss", "seconds")
 
 
-def worker_setup(log: Path, threads: int) -> None:
-    """Send this worker's output to `log` and set its threads, before torch is imported. Each worker runs one job
-    (max_tasks_per_child=1), so nothing needs undoing."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: int,
-                       eval_windows: int | None) -> dict:
-    """One job: `lm train` on a planned config, then `lm eval ppl` on its last checkpoint."""
+def train_and_evaluate(config: str, overrides: list[str], eval_windows: int | None,
+                       positions: str | None = None) -> dict:
+    """One job: `lm train` on a planned config, then `lm eval ppl` (with `positions`) on its last checkpoint."""
     start = time.perf_counter()
-    worker_setup(log, threads)
-    from eval.ppl import evaluate_ppl
-    from lm.config import parse_run_config
+    from lm.eval.ppl import evaluate_ppl
+    from lm.training.config import parse_run_config
     from lm.training.train import train
 
     run, resume, resolved = parse_run_config(["--config", config, *overrides])
     checkpoint = train(run, resume, resolved)
-    result = evaluate_ppl(str(checkpoint), max_windows=eval_windows)
+    result = evaluate_ppl(str(checkpoint), max_windows=eval_windows, positions=positions)
     return {"ppl": result["ppl"], "seconds": time.perf_counter() - start}
 
 
 def demo_archs() -> list[str]:
-    """Every registered mixer, then the MesaNet paper's hybrids (configs/paper_sizes.py's PAPER_HYBRIDS)."""
+    """Every registered mixer, then the MesaNet paper's hybrids (lm/compare/paper_sizes.py's PAPER_HYBRIDS)."""
     from lm.compare.plan import named_hybrids
     from lm.mixers import MIXERS
 
@@ -66,61 +57,43 @@ def demo_archs() -> list[str]:
 
 
 def demo_lr(arch: str) -> float:
+    """The demo's learning rate of `arch` (a mixer, or a hybrid: its first mixer's)."""
     from lm.compare.plan import parse_archs
-    from lm.mixers import MIXERS
 
-    return MIXERS[parse_archs([arch])[0].mixers[0]].demo_lr
+    return LRS.get(parse_archs([arch])[0].mixers[0], DEFAULT_LR)
 
 
-def mqar_job(mixers: list[str], steps: int | None, log: Path, threads: int) -> dict:
+def mqar_job(mixers: list[str], steps: int | None) -> dict:
     """The other jobs: `lm eval mqar`, a 2-layer model of each mixer on multi-query associative recall."""
     start = time.perf_counter()
-    worker_setup(log, threads)
-    from eval.mqar import mqar_table
+    from lm.eval.mqar import mqar_table
 
-    # The blocks as trained here, each with its defaults (not their mqar_options: mLSTM stays xLSTM 7B's).
+    # The blocks as trained here, each with its defaults (not `lm eval mqar`'s options: mLSTM stays xLSTM 7B's).
     rows = mqar_table(mixers=mixers, steps=steps, mixer_options={name: {} for name in mixers})
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
-def icl_job(mixers: list[str], steps: int | None, out: Path, log: Path, threads: int) -> dict:
+def icl_job(mixers: list[str], steps: int | None, out: Path) -> dict:
     """One more job: `lm eval icl --quick`, one minimal layer of each mixer on in-context linear regression."""
     start = time.perf_counter()
-    worker_setup(log, threads)
-    from eval.icl import QUICK, icl
+    from lm.eval.icl import QUICK, icl
 
     icl(mixers=mixers, **{**QUICK, "steps": steps or QUICK["steps"]}, processes=1, out=str(out))
     return {"seconds": time.perf_counter() - start}
 
 
-def run_jobs(jobs: dict[str, tuple], workers: int, command: str = "lm compare demo") -> dict[str, dict]:
-    """name -> (function, args, log): runs them in the given order, `workers` at a time, each in a fresh process;
-    `command` heads the progress lines."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
+def progress(command: str):
+    """The `done` of lm.workers.run_jobs for training jobs: a line on stderr as each ends, headed by `command`."""
+    def done(name: str, result: dict) -> None:
+        ppl = f", validation ppl {result['ppl']:.2f}" if "ppl" in result else ""
+        print(f"{command}: {name} done in {result['seconds']:.0f} s{ppl}", file=sys.stderr)
 
-    results = {}
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = {pool.submit(fn, *args): name for name, (fn, args, _) in jobs.items()}
-        for future in as_completed(futures):
-            name = futures[future]
-            log = jobs[name][2]
-            try:
-                results[name] = future.result()
-            except UserError as err:
-                pool.shutdown(cancel_futures=True)
-                raise UserError(f"{name}: {err} (its log: {log})") from None
-            except Exception as err:
-                pool.shutdown(cancel_futures=True)
-                raise RuntimeError(f"{name} failed ({type(err).__name__}: {err}); its log: {log}") from err
-            ppl = f", validation ppl {results[name]['ppl']:.2f}" if "ppl" in results[name] else ""
-            print(f"{command}: {name} done in {results[name]['seconds']:.0f} s{ppl}", file=sys.stderr)
-    return results
+    return done
 
 
 def check_out_and_data(out: Path, data: str | None, vocab_size: int) -> None:
     """What writing into `out` and `prepared_data` would fail on, checked before anything is written."""
-    from data_prep.tokenizer import check_vocab_size
+    from lm.data_prep.tokenizer import check_vocab_size
 
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a directory")
@@ -134,7 +107,7 @@ def prepared_data(out: Path, data: str | None, vocab_size: int) -> tuple[str, in
     """(data directory, tokenizer vocabulary): `data` if given, else the bundled corpus prepared into OUT/data
     (lm prepare reuses an identical earlier result)."""
     if data is None:
-        from data_prep.prepare import BUNDLED_CORPUS, prepare
+        from lm.data_prep.prepare import BUNDLED_CORPUS, prepare
 
         data = str(out / "data")
         prepare([str(BUNDLED_CORPUS)], data, vocab_size=vocab_size, progress=False)
@@ -161,7 +134,7 @@ def mqar_cells(row: dict) -> list[str]:
 
 def write_mqar(out: Path, rows: list[dict]) -> Path:
     """mqar.md (the table as `lm eval mqar` prints it) and mqar.csv (for the report)."""
-    from eval.mqar import MQARTask
+    from lm.eval.mqar import MQARTask
 
     task = MQARTask(vocab=32, pairs=4)  # mqar_table's defaults
     lrs = [row["lr"] for row in rows]
@@ -220,7 +193,7 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
         data: An already prepared dataset (`lm prepare`) to use instead of the bundled corpus.
         workers: Jobs run at once, each in its own process with cpu_count / workers threads.
         steps: Optimizer steps of every run instead of --tokens (a few for a quick check).
-        mqar_steps: MQAR training steps of every mixer (default: each mixer's `mqar_steps`).
+        mqar_steps: MQAR training steps of every mixer (default: each mixer's in `lm eval mqar`).
         icl_steps: Training steps of each in-context regression model (default: `lm eval icl --quick`'s).
         eval_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
         archs: Architectures as `lm compare plan --archs` takes them (default: every mixer and the MesaNet paper's
@@ -266,32 +239,31 @@ def compare_demo(out: str = "runs/compare-demo", params: float = 1e6, tokens: fl
     logs = out_dir / "logs"
     jobs = {}
     for row in planned["archs"]:
-        log = logs / f"{row['arch']}.log"
         run_overrides = ["--run_dir", str(out_dir / "runs" / row["arch"]), *overrides]
-        jobs[row["arch"]] = (train_and_evaluate, (row["configs"][0], run_overrides, log, threads, eval_windows), log)
+        jobs[row["arch"]] = partial(train_and_evaluate, row["configs"][0], run_overrides, eval_windows)
     # Costliest first: runs by training FLOPs per token (a proxy), with the probes (MQAR with each mixer's in one of
     # two jobs, to share them between the workers; the regression in a third) after the costliest run.
     by_cost = sorted(planned["archs"], key=lambda row: -row["train_flops_per_token"])
     probe_jobs = {}
     for part in range(min(2, len(mixers))):
-        name, log = f"mqar-{part + 1}", logs / f"mqar-{part + 1}.log"
-        probe_jobs[name] = (mqar_job, (mixers[part::2], mqar_steps, log, threads), log)
-    probe_jobs["icl"] = (icl_job, (mixers, icl_steps, out_dir / "icl", logs / "icl.log", threads), logs / "icl.log")
+        probe_jobs[f"mqar-{part + 1}"] = partial(mqar_job, mixers[part::2], mqar_steps)
+    probe_jobs["icl"] = partial(icl_job, mixers, icl_steps, out_dir / "icl")
     order = [by_cost[0]["arch"], *probe_jobs, *(row["arch"] for row in by_cost[1:])]
     jobs.update(probe_jobs)
     print(f"lm compare demo: {len(labels)} runs of {trained:,} tokens and the probes, {workers} at a time with "
           f"{threads} thread(s) each; logs in {logs}", file=sys.stderr)
-    results = run_jobs({name: jobs[name] for name in order}, workers)
+    results = run_jobs({name: jobs[name] for name in order}, workers, threads,
+                       logs={name: logs / f"{name}.log" for name in order}, done=progress("lm compare demo"))
 
     mqar_rows = {row["mixer"]: row for name in probe_jobs if name.startswith("mqar") for row in results[name]["rows"]}
     mqar = [mqar_rows[m] for m in mixers]
-    (out_dir / "mqar.json").write_text(json.dumps(mqar, indent=2))
+    write_json(out_dir / "mqar.json", mqar)
     report_dir = report([str(out_dir / "runs" / arch) for arch in labels], out=str(out_dir / "report"),
                         positions=[seq_len // 8, seq_len // 2, seq_len],
                         title=f"lm compare demo: {len(labels)} architectures at {params / 1e6:g}M parameters, "
                               f"{trained:,} tokens each",
                         tables={"MQAR recall (lm eval mqar)": str(write_mqar(out_dir, mqar))},
-                        icl=str(out_dir / "icl"))
+                        sections=[str(out_dir / "icl")])
     icl = json.loads((out_dir / "icl" / "icl.json").read_text())["summary"]
     table = summary_table(report_dir / "report.csv", mqar, icl, seq_len, ["+".join(pattern) for pattern in patterns])
     wall = time.perf_counter() - start

@@ -14,29 +14,18 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from lm.compare.demo import base_config, check_out_and_data, prepared_data, run_jobs, worker_setup
+from lm.compare.demo import base_config, check_out_and_data, demo_lr, prepared_data, progress, train_and_evaluate
 from lm.errors import UserError
+from lm.output import write_json
+from lm.workers import run_jobs
 
 SETTINGS = ("carry", "reset")  # data.reset_at_documents false / true
-
-
-def train_and_evaluate(config: str, overrides: list[str], log: Path, threads: int, eval_windows: int | None) -> dict:
-    """One job: `lm train`, then `lm eval ppl --positions document` on its last checkpoint."""
-    start = time.perf_counter()
-    worker_setup(log, threads)
-    from eval.ppl import evaluate_ppl
-    from lm.config import parse_run_config
-    from lm.training.train import train
-
-    run, resume, resolved = parse_run_config(["--config", config, *overrides])
-    checkpoint = train(run, resume, resolved)
-    result = evaluate_ppl(str(checkpoint), max_windows=eval_windows, positions="document")
-    return {"ppl": result["ppl"], "seconds": time.perf_counter() - start}
 
 
 def read_curve(run_dir: Path, seq_len: int) -> dict[int, tuple[float, int]]:
@@ -135,12 +124,13 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
             for seed in seeds:
                 name = f"{mixer}-{setting}-s{seed}"
                 overrides = ["--run_dir", str(out_dir / "runs" / name), "--model.mixer", mixer, "--seed", str(seed),
-                             "--data.seed", str(seed), "--optim.lr", str(MIXERS[mixer].demo_lr),
+                             "--data.seed", str(seed), "--optim.lr", str(demo_lr(mixer)),
                              "--data.reset_at_documents", str(setting == "reset").lower(), *common]
-                log = out_dir / "logs" / f"{name}.log"
-                jobs[name] = (train_and_evaluate, (str(config), overrides, log, threads, eval_windows), log)
+                # `lm eval ppl --positions document`: positions counted from each document's start
+                jobs[name] = partial(train_and_evaluate, str(config), overrides, eval_windows, positions="document")
     print(f"lm compare documents: {len(jobs)} runs of {steps} steps, {workers} at a time", file=sys.stderr)
-    run_jobs(jobs, workers, command="lm compare documents")
+    run_jobs(jobs, workers, threads, logs={name: out_dir / "logs" / f"{name}.log" for name in jobs},
+             done=progress("lm compare documents"))
     rows, table = write_summary(out_dir, mixers, seeds, seq_len,
                                 f"{steps} steps of {global_batch} x {seq_len}, mean of {len(seeds)} seeds")
     wall = time.perf_counter() - start
@@ -171,5 +161,5 @@ def write_summary(out_dir: Path, mixers: list[str], seeds: list[int], seq_len: i
     table = summarise(rows, positions)
     (out_dir / "documents.md").write_text(table)
     plot(curves, out_dir / "documents.png", title)
-    (out_dir / "documents.json").write_text(json.dumps({"rows": rows, "positions": positions}, indent=2))
+    write_json(out_dir / "documents.json", {"rows": rows, "positions": positions})
     return rows, table

@@ -5,10 +5,10 @@ budget buys, and ready-to-run `lm train` configs (a learning-rate grid and seeds
         --base configs/attention/145m.yaml --out runs/compare/145m
 
 Architectures: mixer names, hybrid layer patterns joined by "+" ("mesa+attention", cycled over the depth), or a
-hybrid's name from configs/paper_sizes.py (mesa_attention).
+hybrid's name from lm/compare/paper_sizes.py (mesa_attention).
 
 Target size: `--params N` counts every parameter, the tied embedding included, as the MesaNet paper names its sizes
-(its "145M" is configs/attention/145m.yaml, 146.0M) and as configs/paper_sizes.py matches them; the table also shows
+(its "145M" is configs/attention/145m.yaml, 146.0M) and as lm/compare/paper_sizes.py matches them; the table also shows
 the count without the embedding. Given only `--budget C` (total training FLOPs), N follows Chinchilla's ~20 tokens
 per parameter: C = 6 N D with D = 20 N, so N = sqrt(C / 120).
 
@@ -17,7 +17,7 @@ smaller ones with head_dim 16-64 for CPU demos), the one whose attention model w
 nearest N; its depth refitted (even, half to twice the rung's); its MLP width fitted to N (where the embedding's
 jumps between narrow rungs leave N out of reach: the nearest other rung and depth that reach it). Every architecture
 starts from that shape, with n_heads = d_model / head_dim (Gated DeltaNet alone keeps its paper's half as many heads,
-as configs/paper_sizes.py does), and is matched:
+as lm/compare/paper_sizes.py does), and is matched:
 
 - match=params: total parameters within 2% of N.
 - match=flops: training FLOPs per token at seq_len (train_flops_per_token) within 2% of the reference's.
@@ -46,7 +46,6 @@ validation and checkpoint intervals to its steps) and sweep.yaml in `lm slurm su
 with `--submit true` (`--dry_run true` prints the table only).
 """
 
-import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -59,6 +58,7 @@ from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.protocol import at_length
 from lm.model import LMConfig
+from lm.output import write_json
 
 TOLERANCE = 0.02
 TOKENS_PER_PARAM = 20  # Chinchilla
@@ -88,12 +88,10 @@ class Arch:
 
 
 def named_hybrids(paper_only: bool = False) -> dict[str, str]:
-    """configs/paper_sizes.py's hybrids (name -> layer pattern), where the source tree is importable; with
-    `paper_only`, the MesaNet paper's alone (PAPER_HYBRIDS)."""
-    try:
-        from configs.paper_sizes import HYBRIDS, PAPER_HYBRIDS
-    except ImportError:
-        return {}
+    """lm/compare/paper_sizes.py's hybrids (name -> layer pattern); with `paper_only`, the MesaNet paper's alone
+    (PAPER_HYBRIDS)."""
+    from lm.compare.paper_sizes import HYBRIDS, PAPER_HYBRIDS
+
     return {name: HYBRIDS[name] for name in PAPER_HYBRIDS} if paper_only else HYBRIDS
 
 
@@ -142,7 +140,7 @@ def fit_mlp(cfg: LMConfig, metric, target: float, ratios: tuple[float, float] = 
 
 
 def default_archs() -> list[str]:
-    """Every registered mixer, then the named hybrids (configs/paper_sizes.py)."""
+    """Every registered mixer, then the named hybrids (lm/compare/paper_sizes.py)."""
     return [*MIXERS, *named_hybrids()]
 
 
@@ -204,7 +202,7 @@ def reference_shape(template: LMConfig, target: float, asked: str) -> LMConfig:
 
 def load_base(base: str | None) -> tuple[dict, "object"]:
     """The base config's raw YAML (its sections are copied) and its parsed, checked RunConfig."""
-    from lm.config import parse_run_config
+    from lm.training.config import parse_run_config
 
     if base is None:
         return {}, parse_run_config([])[0]
@@ -383,7 +381,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
 
 def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool, slurm: list[str]) -> dict:
     """plan.md, plan.json, one config per arch x lr x seed (checked by lm train's loader), sweep.yaml."""
-    from lm.config import parse_run_config
+    from lm.training.config import parse_run_config
 
     configs_dir = out / "configs"
     configs_dir.mkdir(parents=True, exist_ok=True)
@@ -406,13 +404,13 @@ def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool
         except UserError as err:
             raise UserError(f"the written config {row['configs'][0]} does not load: {err}") from None
     (out / "plan.md").write_text(table)
-    (out / "plan.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out / "plan.json", result, indent=1)
     sweep = out / "sweep.yaml"
     sweep.write_text(f"# lm slurm submit --array {sweep}: one array task per run.\n"
                      + yaml.safe_dump({"runs": runs}, sort_keys=False))
     print(f"wrote {out / 'plan.md'}, {out / 'plan.json'}, {len(runs)} configs in {configs_dir}, {sweep}")
     if submit:
-        from slurm.submit import submit_from_args
+        from lm.slurm.submit import submit_from_args
 
         submit_from_args(["--array", str(sweep), *slurm])
     return result

@@ -5,21 +5,7 @@ from pathlib import Path
 
 from lm.compare.lr_grid import ArchGroup
 from lm.compare.run_results import RunResults
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+from lm.plotting import pyplot, save
 
 
 def lr_label(lr: float | None) -> str:

@@ -13,6 +13,8 @@ from lm.compare.lr_grid import ArchGroup, group_runs
 from lm.compare.run_results import RunResults, check_run_dir, read_run
 from lm.config_errors import error_line
 from lm.errors import UserError
+from lm.output import markdown_table
+from lm.report_section import read_section
 
 NOTES = [
     "arch: the layer pattern (hybrids) or the mixer; runs of one arch that differ in more than lr and seed are "
@@ -94,12 +96,6 @@ def shown_rows(columns: list[Column], values: list[list]) -> list[list[str]]:
     return [[show(v, c.kind) for v, c in zip(row, columns)] for row in values]
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + " --- |" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows]) + "\n"
-
-
 def write_csv(path: Path, header: list[str], values: list[list]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -118,25 +114,9 @@ def read_table(path: str) -> tuple[list[str], list[list[str]]]:
     return rows[0], rows[1:]
 
 
-def probe_sections(icl: str | None, mqar_grid: str | None) -> list[tuple[str, tuple, list[Path]]]:
-    """(heading, (header, rows), images) of each probe's output folder given, read before anything is written."""
-    sections = []
-    if icl:
-        from eval.icl import report_section
-
-        header, rows, images = report_section(icl)
-        sections.append(("In-context linear regression (lm eval icl)", (header, rows), images))
-    if mqar_grid:
-        from eval.mqar_grid import report_section
-
-        header, rows, images = report_section(mqar_grid)
-        sections.append(("MQAR grid: accuracy against state size (lm eval mqar-grid)", (header, rows), images))
-    return sections
-
-
 def report(runs: list[str], out: str = "reports/compare", positions: list[int] = [64, 512, 2048],  # noqa: B006
-           title: str = "Architecture comparison", tables: dict[str, str] | None = None, icl: str | None = None,
-           mqar_grid: str | None = None) -> Path:
+           title: str = "Architecture comparison", tables: dict[str, str] | None = None,
+           sections: list[str] | None = None) -> Path:
     """Compare training runs: the best-lr run of each architecture, the lr grid, plots and one HTML page.
 
     Args:
@@ -146,8 +126,8 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
         title: Heading of the report.
         tables: Further tables, heading -> CSV file (such as `lm compare demo`'s MQAR results), shown as they are
             after the lr grid in report.md and report.html.
-        icl: An `lm eval icl` output folder: its table and loss-by-position figure as a section.
-        mqar_grid: An `lm eval mqar-grid` output folder: its table and accuracy-against-state-size figure.
+        sections: Output folders of probes that write a report section (section.json: lm eval icl, lm eval
+            mqar-grid): each one's table and figures as a section.
     """
     from lm.compare.html import html_page, html_table
     from lm.compare.plots import draw_plots
@@ -161,7 +141,7 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
     for path in runs:
         check_run_dir(path)  # every path before the slow reading, so a typo fails at once
     extra = {heading: read_table(path) for heading, path in (tables or {}).items()}
-    probes = probe_sections(icl, mqar_grid)
+    probes = [read_section(path) for path in sections or []]
     extra.update({heading: cells for heading, cells, _ in probes})
     results = [read_run(path) for path in dict.fromkeys(runs)]
     groups = group_runs(results)

@@ -165,7 +165,7 @@ def main_metric(values: dict, named: str | None) -> tuple[str, float] | None:
 
 
 def read_harness(run: Path) -> dict[str, float]:
-    from eval.run_harness import load_suite
+    from lm.eval.run_harness import load_suite
 
     scores = {}
     for path in sorted((run / "eval").glob("harness-*/results.json")):

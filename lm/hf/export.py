@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, processors
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from data_prep.tokenizer import separator
+from lm.data_prep.tokenizer import separator
 from lm.hf.config import LMHFConfig
 from lm.model import LMConfig
 

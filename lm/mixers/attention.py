@@ -60,8 +60,6 @@ class Attention(Mixer):
         kernel: Literal["auto", "sdpa", "flex"] = "auto"  # what computes the masked softmax (the class docstring)
 
     window: int | None = None  # keys each query sees, itself included (None: all before it)
-    demo_lr = 3e-3
-    mqar_steps = 1500  # an induction circuit over its two layers forms after ~500 steps
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -81,11 +79,6 @@ class Attention(Mixer):
     def qk_ov_weights(self) -> tuple[nn.Parameter, ...]:
         """(W_Q, W_K, W_V, W_O) as nn.Linear weights, for lm.training.callbacks.rank_monitor."""
         return self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.out_proj.weight
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
-        o = cls.check_options(options)
-        return d_model * head_dim * (2 * n_heads + 2 * (o.n_kv_heads or n_heads))
 
     @classmethod
     def mean_context(cls, seq_len: int, **options) -> float:

@@ -41,9 +41,6 @@ class DeltaNet(Mixer):
         backend: str = "auto"
 
     gated = False
-    mqar_steps = 300
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"conv_size": 0, "qk_norm": False, "output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -101,14 +98,6 @@ class DeltaNet(Mixer):
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
         new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
-        o = cls.check_options(options)
-        v = int(round(o.expand_v * head_dim))
-        hk, hv = n_heads * head_dim, n_heads * v
-        gates = (d_model * n_heads + 2 * n_heads) if cls.gated else 0
-        return d_model * (2 * hk + 2 * hv + n_heads) + (2 * hk + hv) * o.conv_size + v + hv * d_model + gates
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

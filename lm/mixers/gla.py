@@ -50,11 +50,6 @@ class GLA(Mixer):
         backend: str = "auto"
 
     paper_heads = 0.5
-    mqar_steps = 300
-    # fla's short convolution: the paper's block (none) learns this MQAR for one seed in three (docs/mqar.md).
-    mqar_options = {"conv_size": 4}
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"output_norm": False}
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -100,14 +95,6 @@ class GLA(Mixer):
                                                       sub_chunk=self.sub_chunk, backend=self.backend)
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
         return self.out_proj(o.reshape(B, T, -1)), new_state
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
-        o = cls.check_options(options)
-        v = int(round(o.expand_v * head_dim))
-        hk, hv = n_heads * head_dim, n_heads * v
-        return (d_model * (2 * hk + 2 * hv) + d_model * o.gate_rank + o.gate_rank * hk + hk + v + hv * d_model
-                + (2 * hk + hv) * o.conv_size)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

@@ -63,13 +63,6 @@ class Hawk(Mixer):
         chunk_size: int = 64
         backend: str = "auto"
 
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"conv_size": 0}
-    # With Griffin's initialisation (a conv of std 0.05, decays from 0.66 to 0.996) Hawk stays near 34% at lr 3e-3 for
-    # 3000 steps; at 1e-2, 77% after 1000 steps and 96% after 2000 (seed 0, docs/mqar.md).
-    mqar_steps = 2000
-    mqar_lr = 1e-2
-
     @staticmethod
     def width(d_model: int, n_heads: int, expand: float) -> int:
         return n_heads * max(1, round(expand * d_model / n_heads))
@@ -120,13 +113,6 @@ class Hawk(Mixer):
                                          chunk_size=self.chunk_size, backend=self.backend)
         y = F.gelu(self.gate_proj(x), approximate="tanh") * h.to(x.dtype)
         return self.out_proj(y), {"conv": conv_state, "rnn": rnn_state}
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim=0, **options) -> int:
-        o = cls.check_options(options)
-        W = cls.width(d_model, n_heads, o.expand)
-        conv = W * o.conv_size + (W if o.conv_size else 0)  # weight and bias
-        return 2 * d_model * W + conv + 2 * (W * W // n_heads + W) + W + W * d_model
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

@@ -116,6 +116,13 @@ def no_weight_decay(*params: nn.Parameter) -> None:
         p.no_weight_decay = True
 
 
+def own_init(*params: nn.Parameter) -> None:
+    """Mark parameters that the mixer's constructor initialises itself (gate biases with their papers' starts): the
+    model's init (LanguageModel.reset_parameters) leaves them as they are, so that each such init runs once."""
+    for p in params:
+        p.own_init = True
+
+
 def residual_output(linear: nn.Linear) -> nn.Linear:
     """Mark a projection that writes into the residual stream: the model initialises it with std / sqrt(2 n_layers)
     (GPT-2), whatever the mixer names it."""

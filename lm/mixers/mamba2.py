@@ -40,10 +40,6 @@ class Mamba2(Mixer):
         chunk_size: int = 64
         backend: str = "auto"
 
-    mqar_steps = 1000  # binds a key to its value slowly: 94% after 600 steps, 99.8% after 1000 (docs/mqar.md)
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"conv_size": 0, "output_norm": False}
-
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
         o = self.options
@@ -89,14 +85,6 @@ class Mamba2(Mixer):
         y = y + self.D.to(y.dtype)[:, None] * xs
         y = self.norm(y.reshape(B, T, self.inner), z)
         return self.out_proj(y), {"conv": conv_state, "ssm": ssm_state}
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
-        o = cls.check_options(options)
-        inner = int(round(o.expand * d_model))
-        bc = 2 * o.n_groups * head_dim
-        return (d_model * (2 * inner + bc + n_heads) + (inner + bc) * o.conv_size + 3 * n_heads + inner
-                + inner * d_model)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, residual_output
+from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, own_init, residual_output
 from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
@@ -41,7 +41,7 @@ class Mesa(Mixer):
     backward, its adjoint solve), Lambda, gamma and beta.
 
     gamma_init sets the gate biases, i.e. each head's memory 1 / (1 - gamma) at the start: "spread" (the default,
-    chosen by `lm bench mesa-ablation`, docs/mesa.md), log-spaced from 2 to 512 tokens across heads; "narrow", 20 to
+    chosen by `lm research mesa-ablation`, docs/mesa.md), log-spaced from 2 to 512 tokens across heads; "narrow", 20 to
     400 tokens (sigmoid(3) to sigmoid(6), xLSTM's forget-gate range, the default before); "zero", 2 tokens in every
     head (bias 0, as fla's MesaNet).
 
@@ -74,16 +74,6 @@ class Mesa(Mixer):
         chunk_size: int = 64
         backend: str = "auto"
 
-    mqar_steps = 300
-    # Rows of `lm bench mixer` besides the default (30 CG steps): fewer steps, and 30 that stop at a tolerance.
-    bench_variants = {"cg 0": {"cg_steps": 0}, "cg 5": {"cg_steps": 5}, "cg 10": {"cg_steps": 10},
-                      "tol 1e-4": {"cg_tol": 1e-4}}
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"conv_size": 0, "qk_norm": False, "output_norm": False}
-    # Mesa without its solve (o_t = G_t q_t) is gated linear attention: one such layer should do one GD step.
-    probe_variants = {"mesa, cg 0": {"cg_steps": 0}}
-    bench_reference = "gated_deltanet"  # the fastest exact-memory rule, the cost Mesa's solve adds is against it
-
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
         o = self.options  # the one source of every option
@@ -105,11 +95,12 @@ class Mesa(Mixer):
         self.g_proj = nn.Linear(d_model, hv, bias=False) if output_gate else None
         self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
+        own_init(self.beta_proj.bias, self.gamma_proj.bias)  # the model's init leaves the gate biases to this one
         self._metrics: dict[str, torch.Tensor] = {}
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self):
-        """Lambda starts at 1 and beta at 0.5; gamma as gamma_init says."""
+        """Lambda starts at 1 and beta at 0.5; gamma as gamma_init says. Once, from the constructor."""
         with torch.no_grad():
             self.lam_raw.fill_(math.log(math.expm1(1.0 - self.options.lam_floor)))
             self.gamma_proj.bias.copy_(gamma_bias(self.options.gamma_init, self.n_heads))
@@ -163,27 +154,12 @@ class Mesa(Mixer):
         new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state
 
-    @classmethod
-    def gate_bias_drift(cls, state_dict: dict, n_heads: int, **options) -> float:
-        """The largest change of a gamma gate bias in `state_dict` from its init (for `lm bench mesa-ablation`)."""
-        init = gamma_bias(cls.check_options(options).gamma_init, n_heads)
-        return max((w - init).abs().max().item() for k, w in state_dict.items() if k.endswith("gamma_proj.bias"))
-
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last call's statistics as 0-dim tensors (nothing is synced to the host here): the CG solve
         (cg_iterations, cg_residual and cg_residual_max, the true relative residual), the adjoint solve's after a
         backward (cg_adjoint_*), Lambda (min, mean), gamma and beta (mean), and max diag(H_t) / min Lambda."""
         return {key if key.startswith(("lambda", "gamma", "beta")) else "cg_" + key: value
                 for key, value in self._metrics.items()}
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim, **options) -> int:
-        o = cls.check_options(options)
-        v = int(round(o.expand_v * head_dim))
-        hk, hv = n_heads * head_dim, n_heads * v
-        return (d_model * (2 * hk + hv) + 2 * (d_model * n_heads + n_heads) + 2 * hk * o.conv_size
-                + (hv * o.conv_size if o.conv_v else 0) + hk + v + (d_model * hv if o.output_gate else 0)
-                + hv * d_model)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

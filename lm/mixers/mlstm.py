@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.layers import ShortConv, no_weight_decay, residual_output
+from lm.mixers.layers import ShortConv, no_weight_decay, own_init, residual_output
 from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mlstm, mlstm_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
@@ -51,14 +51,6 @@ class MLSTM(Mixer):
         chunk_size: int = 64
         backend: str = "auto"
 
-    demo_lr = 3e-3
-    mqar_steps = 500
-    # The short convolution of the first xLSTM paper's block: xLSTM 7B's block (the default, no convolution) stays
-    # near 35% on MQAR, with it 96-99% (docs/mqar.md).
-    mqar_options = {"conv_size": 4}
-    # lm eval icl's minimal block (the seed papers' layer): no short conv, no q/k normalisation, no output norm.
-    minimal_options = {"output_norm": False}
-
     def __init__(self, d_model: int, n_heads: int, head_dim: int = 0, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
         o = self.options
@@ -77,6 +69,7 @@ class MLSTM(Mixer):
         self.norm_weight = nn.Parameter(torch.ones(v))
         self.out_proj = residual_output(nn.Linear(v, d_model, bias=False))
         no_weight_decay(self.igate.weight, self.fgate.weight)
+        own_init(self.igate.bias, self.fgate.bias)  # the model's init leaves the gate biases to this one
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self):
@@ -107,13 +100,6 @@ class MLSTM(Mixer):
             h = F.rms_norm(h, (self.v_head,), eps=1e-6)
         h = h.reshape(B, T, -1) * self.norm_weight
         return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
-
-    @classmethod
-    def param_count(cls, d_model, n_heads, head_dim=0, **options) -> int:
-        o = cls.check_options(options)
-        qk, v = int(round(o.qk_dim_factor * d_model)), int(round(o.v_dim_factor * d_model))
-        return (d_model * (2 * qk + v) + 2 * (d_model * n_heads + n_heads) + d_model * v + v + v * d_model
-                + d_model * o.conv_size)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

@@ -5,6 +5,7 @@ A mixer is one file holding one class, registered with one line (`@register("nam
     Options             a dataclass of its options, typed, with the papers' defaults; `check_options` checks a
                         config's options against it (names and types), so a typo fails at parse time in one line
     param_count(d_model, n_heads, head_dim, **options) -> int
+                        inherited: counted on a build on the meta device, so no formula can drift from the module
     flops_per_token(d_model, n_heads, head_dim, seq_len, training, **options) -> float
                         its projections (2 FLOPs per parameter and token, 6 when training) plus its sequence op
                         (`op_flops_per_token`, which the mixer defines; lm/accounting/flops.py explains what is counted)
@@ -12,15 +13,22 @@ A mixer is one file holding one class, registered with one line (`@register("nam
     bench_op(batch, T)  its sequence op, chunkwise and recurrent, with inputs in the ranges its forward feeds them
                         (for `lm bench mixer`; mixers without a recurrent op, such as attention, have none)
 
-and, as class attributes, what the planner, the benchmarks and the probes need (below). Nothing outside lm/mixers
-and lm/ops names a mixer: they iterate over MIXERS and read these.
+and, as a class attribute, `paper_heads` (its heads at the paper's sizes, below). The class holds the model and its
+accounting only: what a probe, benchmark or demo needs per mixer (MQAR steps, demo learning rates, benchmark
+variants, the probes' minimal options) that probe keeps, keyed by mixer name with a default for mixers it does not
+list, so that a new mixer needs nothing but its file and its `@register` line. The model, the accounting and training
+iterate over MIXERS and read the protocol; they name no mixer. The constructor initialises what the mixer's paper
+says (gates, decays), once; the model then initialises the Linear and Embedding weights and biases, except those the
+mixer marks with lm.mixers.layers.own_init (a gate bias in a Linear).
 """
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 MIXERS: dict[str, type["Mixer"]] = {}
@@ -81,6 +89,13 @@ class OpCall:
     kwargs: dict = dataclasses.field(default_factory=dict)  # keywords for both forms (e.g. Mesa's CG settings)
 
 
+@functools.lru_cache(maxsize=4096)
+def _built_param_count(cls: type["Mixer"], d_model: int, n_heads: int, head_dim: int, options: tuple) -> int:
+    with torch.device("meta"):
+        module = cls(d_model, n_heads, head_dim, 0, **dict(options))
+    return sum(p.numel() for p in module.parameters())
+
+
 class Mixer(nn.Module):
     """Base of every mixer: built as `cls(d_model, n_heads, head_dim, layer_idx, **options)`, with
     `forward(x [B, T, D], state=None, reset=None) -> (y [B, T, D], new_state)`; splitting a sequence anywhere and
@@ -95,24 +110,6 @@ class Mixer(nn.Module):
     paper_heads: float = 1.0
     """Its heads at the paper's sizes and in `lm compare plan`, as a fraction of the attention model's (Gated
     DeltaNet and GLA keep their papers' keys of d/2 and values of d with half the heads and expand_v 2)."""
-    mqar_steps: int = 1000
-    """Training steps of `lm eval mqar`'s default task (each a minute or less on 2 CPU cores)."""
-    mqar_options: dict = {}
-    """Options other than the defaults for MQAR (and why, in a comment where it is set)."""
-    mqar_lr: float = 3e-3
-    """Peak learning rate of `lm eval mqar`'s default task."""
-    demo_lr: float = 4e-3
-    """Peak learning rate in `lm compare demo` (its grid is around it)."""
-    bench_variants: dict[str, dict] = {}
-    """Extra rows of `lm bench mixer`: a label -> the options that differ (e.g. Mesa's CG steps)."""
-    bench_reference: str | None = None
-    """A mixer whose chunkwise time `lm bench mixer` divides this one's by (Mesa: Gated DeltaNet)."""
-    minimal_options: dict = {}
-    """The options that make the seed papers' minimal layer for `lm eval icl`: whichever of a short convolution,
-    q/k normalisation and an output norm the mixer has, turned off."""
-    probe_variants: dict[str, dict] = {}
-    """Further models of `lm eval icl`: a label -> the options that differ (Mesa with 0 CG steps is linear
-    attention, whose one layer is expected on the one-step-GD curve)."""
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__()
@@ -143,7 +140,14 @@ class Mixer(nn.Module):
 
     @classmethod
     def param_count(cls, d_model: int, n_heads: int, head_dim: int, **options) -> int:
-        raise NotImplementedError
+        """Parameters of the mixer built with these options: the sum of numel over a build on the meta device (no
+        memory, no init; about a millisecond, cached per shape and options, so the planner's thousands of calls cost
+        little). An option the constructor rejects raises as the constructor does."""
+        cls.check_options(options)  # types first: the cache would take 1 for True
+        try:
+            return _built_param_count(cls, d_model, n_heads, head_dim, tuple(sorted(options.items())))
+        except TypeError:  # an unhashable option value: build without the cache
+            return _built_param_count.__wrapped__(cls, d_model, n_heads, head_dim, tuple(sorted(options.items())))
 
     @classmethod
     def op_flops_per_token(cls, d_model: int, n_heads: int, head_dim: int, seq_len: int, training: bool,

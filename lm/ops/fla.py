@@ -12,8 +12,10 @@ conventions to fla's (checked against fla-core 0.6.0's source):
 """
 
 import functools
+import importlib
 import inspect
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -23,22 +25,36 @@ from lm.ops.kernel_packages import import_kernels
 BACKENDS = ("auto", "torch", "fla")
 
 # fla's kernels are written for half precision; its delta-rule entry points assert that the inputs are not float32.
-_FLA_DTYPES = (torch.bfloat16, torch.float16)
+FLA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fla_imports(*modules: str) -> bool:
+    """Whether fla's `modules` import (they need Triton). An installed fla that fails to import raises on a machine
+    with CUDA (lm.ops.kernel_packages). Callers cache the answer, since a failed import is slow to retry."""
+    return bool(import_kernels(lambda: [importlib.import_module(module) for module in modules]))
 
 
 @functools.cache
 def fla_available() -> bool:
-    """Whether flash-linear-attention (and Triton) import; cached, since a failed import is slow to retry. An
-    installed fla that fails to import raises on a machine with CUDA (lm.ops.kernel_packages)."""
+    """Whether flash-linear-attention's kernels for linear_attention and delta_rule import; cached."""
+    return fla_imports("fla.ops.delta_rule", "fla.ops.gated_delta_rule", "fla.ops.simple_gla")
 
-    def load():
-        import fla.ops.delta_rule  # noqa: F401
-        import fla.ops.gated_delta_rule  # noqa: F401
-        import fla.ops.simple_gla  # noqa: F401
 
-        return True
+def check_fla_backend(op: str, tensors, available: Callable[[], bool],
+                      package: str = "flash-linear-attention") -> None:
+    """Raise, with the fix, where backend='fla' cannot run `op`: `tensors` (None among them skipped) not all on CUDA,
+    or `available()` false (`package`, fla or the part of it that `op` needs, does not import)."""
+    if not all(t.is_cuda for t in tensors if t is not None):
+        raise RuntimeError(f"{op}: backend='fla' needs CUDA tensors; use backend='torch' (or 'auto') on CPU")
+    if not available():
+        raise ImportError(f"{op}: backend='fla' needs {package}; install it with `pip install -e .[gpu]` (or `pip "
+                          "install flash-linear-attention`), or use backend='torch'")
 
-    return bool(import_kernels(load))
+
+def check_fla_dtype(op: str, dtype: torch.dtype) -> None:
+    """Raise where fla's kernels cannot take inputs of `dtype` (they assert half precision)."""
+    if dtype not in FLA_DTYPES:
+        raise TypeError(f"{op}: fla's kernels need bf16/fp16 inputs, got {dtype}; use backend='torch'")
 
 
 def fla_refuses_gated_backward(kernel: str) -> bool:
@@ -79,17 +95,10 @@ def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: 
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if backend == "fla":
-        if not on_cuda:
-            raise RuntimeError(f"{op}: backend='fla' needs CUDA tensors; use backend='torch' (or 'auto') on CPU")
-        if not fla_available():
-            raise ImportError(
-                f"{op}: backend='fla' needs flash-linear-attention; install it with `pip install -e .[gpu]` "
-                "(or `pip install flash-linear-attention`), or use backend='torch'"
-            )
+        check_fla_backend(op, tensors, fla_available)
         return True
-    return on_cuda and auto_uses_fla(op, tensors[0].dtype, gated_kernel)
+    return all(t.is_cuda for t in tensors if t is not None) and auto_uses_fla(op, tensors[0].dtype, gated_kernel)
 
 
 def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) -> bool:
@@ -98,7 +107,7 @@ def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) 
     reason = fix = None
     if not fla_available():
         reason, fix = "flash-linear-attention does not import", "install it with `pip install -e .[gpu]`"
-    elif dtype not in _FLA_DTYPES:
+    elif dtype not in FLA_DTYPES:
         reason, fix = f"its inputs are {dtype} and fla's kernels take bf16/fp16", "train with bf16-mixed precision"
     elif gated_kernel and torch.is_grad_enabled() and fla_refuses_gated_backward(gated_kernel):
         reason = f"fla refuses the backward of chunk_{gated_kernel} with this Triton on Hopper (fla issue #640)"
@@ -109,22 +118,27 @@ def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) 
     return False
 
 
+def parameters(fn) -> dict[str, inspect.Parameter]:
+    """The parameters of an fla entry point by name; none where its signature cannot be read."""
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
 def _layout_kwargs(fn) -> dict:
     """`head_first=False` for old fla versions whose default was head-first [B, H, T, *]; nothing for newer ones.
 
     Recent fla versions raise if `head_first` is passed at all, so it is only passed when the signature has it with a
     default other than False.
     """
-    try:
-        param = inspect.signature(fn).parameters.get("head_first")
-    except (TypeError, ValueError):
-        return {}
+    param = parameters(fn).get("head_first")
     if param is not None and param.default is not False:
         return {"head_first": False}
     return {}
 
 
-def _call(fn, **kwargs):
+def fla_call(fn, **kwargs):
     """Call an fla entry point, silencing its layout heuristic (it warns when T < H, which is normal for decoding)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Input tensor shape suggests")
@@ -136,9 +150,9 @@ def _initial_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _run(fn, reset: torch.Tensor | None, **kwargs):
-    """`_call(fn, **kwargs)`, or with resets its variable-length form (`_varlen_call`)."""
+    """`fla_call(fn, **kwargs)`, or with resets its variable-length form (`_varlen_call`)."""
     if reset is None:
-        return _call(fn, **kwargs)
+        return fla_call(fn, **kwargs)
     return _varlen_call(fn, reset, **kwargs)
 
 
@@ -163,7 +177,7 @@ def _varlen_call(fn, reset: torch.Tensor, initial_state: torch.Tensor | None, **
         initial_state = sequences.index_put((first,), initial_state * continues)
     flat = {name: x.flatten(0, 1)[None] if torch.is_tensor(x) and x.shape[:2] == (B, T) else x
             for name, x in kwargs.items()}
-    out, state = _call(fn, initial_state=initial_state, cu_seqlens=cu_seqlens, **flat)
+    out, state = fla_call(fn, initial_state=initial_state, cu_seqlens=cu_seqlens, **flat)
     return out.view(B, T, *out.shape[2:]), state[last]
 
 
@@ -233,8 +247,7 @@ def fla_delta_rule(
     reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`delta_rule` through fla's chunk_delta_rule (log_alpha None) or chunk_gated_delta_rule (g = log_alpha)."""
-    if q.dtype not in _FLA_DTYPES:
-        raise TypeError(f"delta_rule: fla's kernels need bf16/fp16 inputs, got {q.dtype}; use backend='torch'")
+    check_fla_dtype("delta_rule", q.dtype)
     common = dict(
         q=q,
         k=k.to(q.dtype),

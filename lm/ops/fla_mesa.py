@@ -18,39 +18,23 @@ fla.
 """
 
 import functools
-import inspect
 
 import torch
 
-from lm.ops.fla import _FLA_DTYPES, _call
-from lm.ops.kernel_packages import import_kernels
+from lm.ops.fla import check_fla_backend, check_fla_dtype, fla_call, fla_imports, parameters
 
 
 @functools.cache
 def fla_mesa_available() -> bool:
-    """Whether fla's MesaNet kernel imports (it needs Triton); cached, since a failed import is slow to retry. An
-    installed fla that fails to import raises on a machine with CUDA (lm.ops.kernel_packages)."""
-
-    def load():
-        from fla.ops.mesa_net import chunk_mesa_net  # noqa: F401
-
-        return True
-
-    return bool(import_kernels(load))
+    """Whether fla's MesaNet kernel imports (lm.ops.fla.fla_imports); cached."""
+    return fla_imports("fla.ops.mesa_net")
 
 
 def fla_mesa_check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cg_tol, return_info: bool,
                    reset: torch.Tensor | None = None) -> None:
     """Raise, with the reason, when `mesa(..., backend="fla")` cannot run these inputs through fla."""
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        raise RuntimeError("mesa: backend='fla' needs CUDA tensors; use backend='torch' (or 'auto') on CPU")
-    if not fla_mesa_available():
-        raise ImportError(
-            "mesa: backend='fla' needs flash-linear-attention with fla.ops.mesa_net (pip install -e .[gpu] or "
-            "pip install flash-linear-attention); use backend='torch'"
-        )
-    if q.dtype not in _FLA_DTYPES:
-        raise TypeError(f"mesa: fla's kernel needs bf16/fp16 inputs, got {q.dtype}; use backend='torch'")
+    check_fla_backend("mesa", (q, k, v), fla_mesa_available, "flash-linear-attention with fla.ops.mesa_net")
+    check_fla_dtype("mesa", q.dtype)
     K, V = q.shape[-1], v.shape[-1]
     if V != K or K > 128:
         raise ValueError(f"mesa: fla's kernel needs V == K <= 128, got K={K}, V={V}; use backend='torch'")
@@ -94,14 +78,7 @@ def fla_mesa(
         output_final_state=True,
         max_CG_iteration=int(cg_steps),
     )
-    if "use_qk_l2norm_in_kernel" in _parameters(chunk_mesa_net):
+    if "use_qk_l2norm_in_kernel" in parameters(chunk_mesa_net):
         kwargs["use_qk_l2norm_in_kernel"] = False  # our q and k are used as given
-    out, h_kk, h_kv = _call(chunk_mesa_net, **kwargs)
+    out, h_kk, h_kv = fla_call(chunk_mesa_net, **kwargs)
     return out.to(q.dtype), (h_kv.float().mT, h_kk.float())
-
-
-def _parameters(fn) -> set[str]:
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()

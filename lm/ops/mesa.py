@@ -122,7 +122,7 @@ def mesa(
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
     solver = _TritonSolver(chunk_size) if backend == "triton" else _TorchSolver(chunk_size)
-    solve = _Solve(solver, cg_steps, cg_tol, reset, info)
+    solve = _Solve(solver, steps=cg_steps, tol=cg_tol, reset=reset, info=info)
     out, G, H = _apply_eagerly(q, k, v, log_gamma, beta, lam, G0, H0, solve)
     return (out, (G, H), info) if return_info else (out, (G, H))
 
@@ -488,7 +488,7 @@ class _MesaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_gamma, beta, lam, G0, H0, solve: _Solve):
         out, x, G_T, H_T = solve.solver.forward(q, k, v, log_gamma, beta, lam, G0, H0, solve.reset, solve.steps,
-                                                solve.tol, solve.info)
+                                                solve.tol, info=solve.info)
         ctx.save_for_backward(k, v, log_gamma, beta, lam, G0, H0, x)
         ctx.solve, ctx.q_dtype = solve, q.dtype
         ctx.set_materialize_grads(False)
@@ -503,7 +503,7 @@ class _MesaFunction(torch.autograd.Function):
         e = None
         if d_out is not None:
             e = solve.solver.adjoint(d_out, k, v, log_gamma, beta, lam, G0, H0, solve.reset, solve.steps, solve.tol,
-                                     solve.info)
+                                     info=solve.info)
         grads = _surrogate_grads((k, v, log_gamma, beta, lam, G0, H0), ctx.needs_input_grad[1:8], x, e, d_out, d_G,
                                  d_H, solve.reset, solve.solver.chunk_size)
         dq = e.to(ctx.q_dtype) if e is not None and ctx.needs_input_grad[0] else None

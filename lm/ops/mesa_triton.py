@@ -30,8 +30,8 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 # A program holds its chunk's keys and entering state on chip, so its shared memory grows with K, V and the chunk; past
-# these sizes, or at K = V = 128 with a chunk of 64, it asks for more than an SM has (`python -m bench.kernel_resources`
-# compiles the kernels for sm_90 and says how much; docs/performance.md).
+# these sizes, or at K = V = 128 with a chunk of 64, it asks for more than an SM has
+# (`python -m lm.bench.kernel_resources` compiles the kernels for sm_90 and says how much; docs/performance.md).
 MAX_K, MAX_V = 128, 256
 
 

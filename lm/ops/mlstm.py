@@ -290,7 +290,7 @@ def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset=None) 
     if backend not in BACKENDS:
         raise ValueError(f"mlstm: backend must be one of {BACKENDS}, got {backend!r}")
     # "auto" is the torch code too: the kernel's backward treats the normaliser max(|n . q^|, exp(-m)) as a constant,
-    # so its dq, dk, di and df are not the layer's (bench/mlstm_kernels_grad.py; on the lent H200 dq was off by a
+    # so its dq, dk, di and df are not the layer's (lm/bench/mlstm_kernels_grad.py; on the lent H200 dq was off by a
     # relative RMS error of 1.04). It runs only when asked for by name.
     if backend != "mlstm_kernels":
         if backend == "auto" and q.is_cuda:
@@ -305,8 +305,8 @@ def _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset=None) 
 def say_torch_code_on_cuda() -> None:
     """The notice, once, that "auto" runs mLSTM's torch code on CUDA, and why."""
     warn_once("mlstm: the torch code runs on CUDA, not mlstm_kernels' kernel: the kernel's backward treats the "
-              "normaliser as a constant (bench/mlstm_kernels_grad.py); backend='mlstm_kernels' runs it by name, with "
-              "those gradients.")
+              "normaliser as a constant (lm/bench/mlstm_kernels_grad.py); backend='mlstm_kernels' runs it by name, "
+              "with those gradients.")
 
 
 def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> str | None:
@@ -317,7 +317,7 @@ def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> s
     Its backward returns zero gradients for the initial n~ and m, so initial states that need gradients stay on torch.
     It has no varlen support, so calls with a reset stay on torch.
     Its gradients are those of the layer with the normaliser max(|n~ . q^|, exp(-m)) held constant
-    (bench/mlstm_kernels_grad.py), so dq, dk, di and df differ from the torch code's.
+    (lm/bench/mlstm_kernels_grad.py), so dq, dk, di and df differ from the torch code's.
     Other known differences from the torch code (not checked here): it takes log(sigmoid(f_pre)), which is -inf
     below about -88 in float32; it forms the chunk's state update k^T v in the input dtype; its backward ignores
     gradients flowing into the final n~ and m; and its float32 matmuls may use TF32.

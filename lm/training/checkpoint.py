@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from data_prep.shards import sha256_file
+from lm.data_prep.shards import sha256_file
 from lm.errors import UserError
 
 STEP_NAME = re.compile(r"^step=(\d+)\.ckpt$")

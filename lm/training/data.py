@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from data_prep.shards import load_manifest, open_split
+from lm.data_prep.shards import load_manifest, open_split
 from lm.errors import UserError
 
 

@@ -7,6 +7,7 @@ import sys
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +17,6 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from lm.accounting.flops import train_flops_per_token
-from lm.config import RunConfig
 from lm.errors import Diverged, UserError
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
@@ -28,6 +28,7 @@ from lm.training.callbacks.rank_monitor import RankMonitor
 from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
+from lm.training.config import RunConfig
 from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
 from lm.training.data import CountConsumedWindows, TokenDataModule
 from lm.training.launch_guard import RunDirLock, check_slurm_launch
@@ -158,7 +159,9 @@ def wandb_run_id(run_dir: Path) -> str:
 
 
 def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stability: StabilityMonitor,
-                  accumulate: int) -> L.Trainer:
+                  accumulate: int, extra_callbacks: Sequence[L.Callback] = ()) -> L.Trainer:
+    """The Trainer of `config`, with training's own callbacks and then the caller's (the side concerns that build on
+    training, such as in-loop evaluation)."""
     t, st = config.trainer, config.strategy
     loggers = [CSVLogger(run_dir, name="logs")]
     if t.wandb:
@@ -172,10 +175,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
                  *progress_callbacks(t.progress_bar, t.log_every, tokens)]
     if t.rank_every:
         callbacks.append(RankMonitor(t.rank_every))
-    if config.eval.every:
-        from eval.in_loop import InLoopEval
-
-        callbacks.append(InLoopEval(config.eval, run_dir))
+    callbacks += extra_callbacks
     if faults := planned_faults():  # tests only: LM_FAULTS (lm.training.callbacks.faults)
         callbacks.append(InjectFaults(faults))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
@@ -202,8 +202,12 @@ def batch_plan(config: RunConfig) -> tuple[int, int, int]:
     return world, accumulate, d.micro_batch * accumulate * world
 
 
-def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
-    """Fit the model of `config`; returns the newest checkpoint."""
+def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Sequence[L.Callback] = ()) -> Path:
+    """Fit the model of `config`; returns the newest checkpoint. `callbacks` are the caller's side concerns: in-loop
+    evaluation (the config's `eval` section) builds on training, so `lm train` (lm.train_command) passes it here."""
+    if config.eval.every and not any(getattr(c, "evaluates_in_loop", False) for c in callbacks):
+        raise UserError("eval.every is set, but in-loop evaluation was not given: run `lm train`, or pass "
+                        "lm.eval.in_loop.in_loop_callbacks(config)")
     # LMModule skips its clipping hook under DeepSpeed, which clips in its own step: Lightning's warning is moot.
     warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
     # Lightning's hint to use srun whenever srun exists is noise off SLURM; launch_guard checks real SLURM launches.
@@ -229,7 +233,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     module.flops_per_batch = train_flops_per_token(config.model, config.data.seq_len) * \
         config.data.micro_batch * config.data.seq_len
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
-    trainer = build_trainer(config, run_dir, stop, stability, accumulate)
+    trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
         print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
               f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
@@ -246,11 +250,3 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "") -> Path:
     if stop.stopped:
         raise StoppedForRequeue(trainer.global_step)
     return newest_checkpoint(run_dir / "checkpoints")
-
-
-def train_from_args(argv: list[str]) -> Path:
-    """`lm train`: the run config from YAML + overrides (lm.config), then `train`."""
-    from lm.config import parse_run_config
-
-    config, resume, yaml = parse_run_config(argv)
-    return train(config, resume, yaml)

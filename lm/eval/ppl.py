@@ -1,0 +1,214 @@
+"""`lm eval ppl`: loss and perplexity of a checkpoint on prepared shards, overall and by position.
+
+NLL_k is the mean over windows of -log p(token k | the k tokens before it in the window), k = 1..seq_len
+(the MesaNet paper's App. L.1 curve). Windows are the split's consecutive seq_len + 1 token windows.
+
+A model trained with resets (data.reset_at_documents) is evaluated with them, and then position k counts the
+tokens the model has seen of the current document: from the document's separator, or from the window's start for a
+document that began before the window. NLL_k is then the mean over the tokens at position k, however many.
+`--positions document` counts that way for any model (to put a model without resets on the same axis).
+"""
+
+import csv
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from lm.errors import UserError
+from lm.eval.wandb_log import log_to_run
+from lm.mixers.layers import steps_since_reset
+from lm.output import write_json
+from lm.training.checkpoint import load_model, run_dir_of
+from lm.training.data import TokenStream, ValidationWindows
+
+
+def positions_in_documents(inputs: torch.Tensor, separator: int | None) -> torch.Tensor:
+    """[B, T] 0-based position of each input token in what the model sees of its document: the position in the window
+    without resets; with them, the steps since the last separator, or since the window's start before the first."""
+    T = inputs.shape[1]
+    in_window = torch.arange(T).expand_as(inputs)
+    if separator is None:
+        return in_window
+    return torch.minimum(steps_since_reset(inputs == separator), in_window)
+
+
+def per_position_nll(model, windows: ValidationWindows, batch_size: int,
+                     separator: int | None = None) -> tuple[np.ndarray, np.ndarray, int, dict]:
+    """(summed NLL at each of the seq_len positions in float64, tokens at each position, number of windows, the
+    mixers' own statistics over the batches: `LanguageModel.mixer_metrics`, averaged, or the max for names ending in
+    "_max"). Positions are `positions_in_documents` with `separator` (None: positions in the window)."""
+    T = windows.seq_len
+    total, tokens, count, reported = torch.zeros(T, dtype=torch.float64), torch.zeros(T, dtype=torch.long), 0, {}
+    with torch.no_grad():
+        for start in range(0, len(windows), batch_size):
+            batch = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(windows)))])
+            nll, _ = model(batch[:, :-1], targets=batch[:, 1:], reduction="none")  # the logits never whole
+            positions = positions_in_documents(batch[:, :-1], separator).flatten()
+            total.index_add_(0, positions, nll.flatten().double())
+            tokens.index_add_(0, positions, torch.ones_like(positions))
+            count += batch.shape[0]
+            for name, value in model.mixer_metrics().items():
+                reported.setdefault(name, []).append(value)
+    if not count:
+        raise UserError("no evaluation window: the split has fewer than seq_len + 1 tokens")
+    metrics = {name: float(torch.stack(values).amax() if name.endswith("_max") else torch.stack(values).mean())
+               for name, values in reported.items()}
+    return total.numpy(), tokens.numpy(), count, metrics
+
+
+def log_spaced_positions(seq_len: int, n: int = 48) -> list[int]:
+    """1-based positions spread evenly on a log scale from 1 to seq_len."""
+    return sorted({int(round(p)) for p in np.geomspace(1, seq_len, n)})
+
+
+def unigram_ppl(data: str) -> float:
+    """Perplexity of the validation split under the training split's add-one-smoothed unigram distribution:
+    the bar a language model has to clear."""
+    train, val = TokenStream(data, "train", verify=False), TokenStream(data, "validation", verify=False)
+    vocab = train.manifest["tokenizer"]["vocab_size"]
+    counts = np.ones(vocab, dtype=np.float64)
+    for shard in train.shards:
+        counts += np.bincount(shard, minlength=vocab)[:vocab]
+    log_p = np.log(counts / counts.sum())
+    val_tokens = np.concatenate([np.asarray(s) for s in val.shards]).astype(np.int64)
+    return float(np.exp(-log_p[val_tokens].mean()))
+
+
+def check_tokenizer(run_dir: Path, data: str, manifest: dict, vocab_size: int) -> None:
+    tokenizer = run_dir / "tokenizer.json"
+    if tokenizer.exists() and hashlib.sha256(tokenizer.read_bytes()).hexdigest() != manifest["tokenizer"]["sha256"]:
+        raise UserError(f"tokenizer mismatch: {data} was tokenized with another tokenizer than {tokenizer}")
+    if manifest["tokenizer"]["vocab_size"] > vocab_size:
+        raise UserError(f"vocab mismatch: {data} has {manifest['tokenizer']['vocab_size']} tokens, the model "
+                        f"{vocab_size}")
+
+
+def plot_curve(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["position"] for r in rows], [r["nll"] for r in rows], marker=".", label="NLL at position")
+    ax.plot([r["position"] for r in rows], [r["running_mean"] for r in rows], label="mean NLL up to position")
+    ax.set(xscale="log", xlabel="position in sequence", ylabel="NLL (nats)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def read_curve(path: str | Path) -> dict[int, float]:
+    """position -> NLL from a per_position.csv (or the folder holding one)."""
+    path = Path(path)
+    path = path / "per_position.csv" if path.is_dir() else path
+    if not path.is_file():
+        raise UserError(f"reference curve {path} not found (an `lm eval ppl` output folder or its per_position.csv)")
+    with open(path) as f:
+        return {int(row["position"]): float(row["nll"]) for row in csv.DictReader(f)}
+
+
+def plot_difference(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["position"] for r in rows], [r["nll_minus_reference"] for r in rows], marker=".")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set(xscale="log", xlabel="position in sequence", ylabel="NLL - reference NLL (nats)", title=title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
+                 max_windows: int | None = None, batch_size: int = 8, out: str | None = None,
+                 multiples: list[int] = [1], reference: str | None = None,  # noqa: B006
+                 positions: str | None = None) -> dict:
+    """Perplexity of a checkpoint, overall and by position; writes ppl.json, per_position.csv and .png.
+
+    Args:
+        checkpoint: A checkpoint file, or a run directory (its newest checkpoint).
+        data: Prepared data directory (default: the run's data.path).
+        split: Split to evaluate.
+        seq_len: Window length (default: the run's data.seq_len).
+        max_windows: Evaluate at most this many windows (default: all).
+        batch_size: Windows per forward pass.
+        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN; with several multiples, one per length).
+        multiples: Also evaluate at these multiples of seq_len ([1, 2, 4]: length extrapolation).
+        reference: Another run's `lm eval ppl` output (folder or per_position.csv) at the same length: adds the
+            per-position NLL difference to it (CSV column and per_position_vs_reference.png).
+        positions: "window" (position in the window) or "document" (from each document's separator, or the window's
+            start); default: "document" for a model trained with resets, else "window".
+    """
+    for name, value in (("seq_len", seq_len), ("max_windows", max_windows), ("batch_size", batch_size)):
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    if not multiples or any(m < 1 for m in multiples):
+        raise UserError(f"--multiples must be positive integers, not {multiples}")
+    if positions not in (None, "window", "document"):
+        raise UserError(f"--positions must be 'window' or 'document', not {positions!r}")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    model, hparams = load_model(checkpoint)
+    run_dir = run_dir_of(checkpoint)
+    run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    data = data or run_config.get("data", {}).get("path")
+    seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
+    if data is None:
+        raise UserError("no data directory: pass --data")
+    resets = model.cfg.document_separator is not None
+    positions = positions or ("document" if resets else "window")
+    stream = TokenStream(data, split, verify=False)
+    separator = stream.manifest["tokenizer"].get("sep_id") if positions == "document" else None
+    if positions == "document" and separator is None:
+        raise UserError(f"--positions document: {data}/manifest.json names no separator id")
+    check_tokenizer(run_dir, data, stream.manifest, hparams["model"]["vocab_size"])
+    ref_curve = read_curve(reference) if reference else None
+    by_length = {}
+    for multiple in multiples:
+        length = seq_len * multiple
+        sums, tokens, n_windows, mixer_metrics = per_position_nll(
+            model, ValidationWindows(stream, length, max_windows), batch_size, separator)
+        with np.errstate(invalid="ignore"):  # a position no token reached (with resets) is NaN
+            nll, running = sums / tokens, np.cumsum(sums) / np.cumsum(tokens)
+        rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1]),
+                 "tokens": int(tokens[k - 1])} for k in log_spaced_positions(length)]
+        loss = float(sums.sum() / tokens.sum())
+        result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": length,
+                  "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
+                  "ppl": math.exp(loss), "reset_at_documents": resets, "positions": positions}
+        if mixer_metrics:
+            result["mixer_metrics"] = mixer_metrics
+        name = f"ppl-{split}-T{length}"
+        out_dir = run_dir / "eval" / name if out is None else Path(out) if len(multiples) == 1 else Path(out) / name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if ref_curve is not None and multiple == multiples[0]:
+            missing = [r["position"] for r in rows if r["position"] not in ref_curve]
+            if missing:
+                raise UserError(f"reference {reference} was not evaluated at length {length} (no position "
+                                f"{missing[-1]}): evaluate both at the same --seq_len")
+            for r in rows:
+                r["nll_minus_reference"] = r["nll"] - ref_curve[r["position"]]
+            result["reference"] = str(reference)
+            plot_difference(rows, out_dir / "per_position_vs_reference.png",
+                            f"{split}, T={length}: NLL minus the reference's")
+        write_json(out_dir / "ppl.json", result)
+        with open(out_dir / "per_position.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        plot_curve(rows, out_dir / "per_position.png", f"{split}: ppl {result['ppl']:.2f} at T={length}")
+        print(json.dumps(result))
+        by_length[length] = result
+    first = by_length[seq_len * multiples[0]]
+    log_to_run(run_dir, f"ppl-{split}", {f"ppl_T{length}": r["ppl"] for length, r in by_length.items()})
+    return {**first, "ppl_by_length": {length: r["ppl"] for length, r in by_length.items()}}

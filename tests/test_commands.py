@@ -1,0 +1,70 @@
+"""The command table (lm/commands.py) and the help generated from it: every command listed once under its group,
+every entry loads, `lm GROUP` lists a group, and a command that moved is an unknown one with a pointer."""
+
+import importlib
+import re
+
+import pytest
+
+from lm.cli import main
+from lm.commands import COMMANDS, GROUPS, OWN_ARGV, POSITIONAL, usage
+
+
+def listed(text: str) -> list[str]:
+    """The command names of a help text's listing lines ("  NAME  summary")."""
+    names = sorted(COMMANDS, key=len, reverse=True)  # "eval mqar-grid" before "eval mqar"
+    found = []
+    for line in text.splitlines():
+        found += [name for name in names if re.match(rf"  {re.escape(name)}  ", line)][:1]
+    return found
+
+
+def test_help_lists_every_command_once_under_its_groups_heading(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    found = listed(text)
+    assert sorted(found) == sorted(COMMANDS), set(COMMANDS) ^ set(found)
+    assert all(len(line) <= 120 for line in text.splitlines()), max(text.splitlines(), key=len)
+    sections = text.split("\n\n")[1:]  # after the usage line, one section per group
+    assert [section.splitlines()[0] for section in sections] == [f"{heading}:" for heading in GROUPS.values()]
+    for group, section in zip(GROUPS, sections):
+        assert listed(section) == [name for name, command in COMMANDS.items() if command.group == group]
+
+
+def test_every_entry_loads_to_a_function_of_lm():
+    for name, command in COMMANDS.items():
+        module, function = command.target.split(":")
+        fn = getattr(importlib.import_module(module), function)
+        assert callable(fn) and fn.__module__.startswith("lm."), (name, fn)
+        assert command.group in GROUPS and command.summary and "\n" not in command.summary, name
+        assert " " not in name or name.split()[0] == command.group, name  # `lm eval ...` is in the group eval
+    assert OWN_ARGV | POSITIONAL <= set(COMMANDS)
+
+
+def test_research_ab_has_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["research", "ab", "--help"])
+    assert exit_info.value.code == 0
+    assert "--rev" in capsys.readouterr().out
+
+
+def test_a_moved_command_is_unknown_in_one_line_that_points_to_it(capsys):
+    assert main(["bench", "ab"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "unknown command 'bench ab'" in err[0] and "lm research ab" in err[0], err
+    assert captured.out == ""
+    assert main(["nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown command 'nope'" in err[0] and "research" in err[0], err
+
+
+@pytest.mark.parametrize("group", ["eval", "compare", "slurm", "bench", "research"])
+def test_a_group_alone_lists_its_commands(group, capsys):
+    members = [name for name in COMMANDS if name.startswith(group + " ")]
+    assert main([group]) == 2  # a command is missing: exit 2, the listing, one line on stderr
+    captured = capsys.readouterr()
+    assert listed(captured.out) == members and len(captured.err.strip().splitlines()) == 1
+    assert captured.out.strip() == usage(group)
+    assert main([group, "--help"]) == 0
+    assert listed(capsys.readouterr().out) == members
