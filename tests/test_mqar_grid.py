@@ -4,6 +4,7 @@ outputs, resuming, one cell at a time, bad input."""
 import csv
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
     assert len(body) == len(MIXERS) and images == [out / "accuracy_vs_state.png"]
     row = next(r for r in rows if r["mixer"] == ONE[0] and r["pairs"] == 6)
     cell = {k: row[k] for k in ("name", "mixer", "options", "width", "pairs", "lr", "seed", "vocab", "length",
-                                "steps", "batch")}
+                                "steps", "batch", *grid.LM_PROTOCOL)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -177,3 +178,82 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, args, message
     with pytest.raises(UserError, match=message):
         grid.mqar_grid(**args)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
+
+
+def test_power_law_gaps_follow_zoology():
+    """Zoology's data/multiquery_ar.py: query j at 2 g_j after the context, the n gaps distinct, each drawn with
+    weight (g + 1)^(a - 1); the positions between hold random tokens; every key is queried once, answered by its
+    value."""
+    task = MQARTask(vocab=64, pairs=4, length=40, gaps="power", power_a=0.01, random_fill=True)
+    inputs, targets = mqar_batch(task, 4000, torch.Generator().manual_seed(0))
+    space = (40 - 8) // 2
+    counts = torch.zeros(space)
+    for row in range(4000):
+        where = (targets[row] != -100).nonzero().flatten()
+        gaps = (where - 8) // 2
+        assert ((where - 8) % 2 == 0).all() and len(set(gaps.tolist())) == 4
+        keys, values = inputs[row, 0:8:2].tolist(), inputs[row, 1:8:2].tolist()
+        assert sorted(inputs[row, where].tolist()) == sorted(keys)
+        assert [dict(zip(keys, values))[k] for k in inputs[row, where].tolist()] == targets[row, where].tolist()
+        counts[gaps] += 1
+    # Against 4 draws without replacement, one at a time, with weights (g + 1)^(a - 1) (Python's random): how often
+    # each gap is taken. Most queries come soon after the context, as zoology wants.
+    draws, expected = random.Random(1), torch.zeros(space)
+    for _ in range(4000):
+        left = list(range(space))
+        for _ in range(4):
+            g = draws.choices(left, weights=[(x + 1) ** (0.01 - 1) for x in left])[0]
+            left.remove(g)
+            expected[g] += 1
+    assert (counts / 4000 - expected / 4000).abs().max() < 0.04, (counts / 4000, expected / 4000)
+    assert counts[:4].sum() / counts.sum() > 0.45 and counts[space // 2:].sum() > 0
+    between = (targets == -100)
+    between[:, :8] = False
+    filler = inputs[between]
+    assert (filler != 0).float().mean() > 0.9 and len(filler.unique()) > 50  # random tokens, not the filler 0
+    uniform, _ = mqar_batch(MQARTask(vocab=64, pairs=4, length=40), 4000, torch.Generator().manual_seed(0))
+    assert (uniform[:, 8:] == 0).float().mean() > 0.8  # lm's own protocol: filler between the queries
+
+
+def test_power_law_gaps_need_room_for_every_query():
+    with pytest.raises(ValueError, match="need a length of 2 x 8 \\+ 2 x 8 = 32 or more \\(got 24\\)"):
+        MQARTask(vocab=64, pairs=8, length=24, gaps="power")
+
+
+def test_the_zoology_protocol_builds_zoology_blocks_and_stops_early(tmp_path):
+    """No MLP (the SwiGLU holds no weights), a convolution of 3 before each mixer, cosine decay; with early_stop at
+    1% the cell stops at the first check."""
+    cell = grid.grid_cells(["attention"], [16], [2], [1e-2], [0], vocab=32, length=24, steps=200, batch=16,
+                           protocol={**grid.ZOOLOGY, "early_stop": 0.01})[0]
+    task = MQARTask(vocab=32, pairs=2, length=24, gaps="power", random_fill=True)
+    model = grid.build_model(cell, task)
+    lm_model = grid.build_model({**cell, **grid.LM_PROTOCOL}, task)
+    for block, lm_block in zip(model.blocks, lm_model.blocks):
+        assert sum(p.numel() for p in block.mlp.parameters()) == 0
+        assert isinstance(block.mixer, grid.ConvThenMixer) and block.mixer.conv.weight.shape == (16, 1, 3)
+        assert sum(p.numel() for p in lm_block.mlp.parameters()) == 3 * 16 * 32
+    row = grid.run_cell(cell)
+    assert row["steps_run"] == grid.EARLY_STOP_EVERY and row["mlp"] is False and row["gaps"] == "power"
+    never = grid.run_cell({**cell, "steps": 60, "early_stop": None})
+    assert never["steps_run"] == 60
+
+
+def test_the_conv_before_the_mixer_carries_its_state():
+    """A sequence fed in two pieces, the state carried, gives one call's output (the wrapper is a mixer)."""
+    torch.manual_seed(0)
+    mixer = grid.ConvThenMixer(MIXERS["attention"](16, 2, 8, 0), 16, 3)
+    x = torch.randn(2, 11, 16)
+    whole, _ = mixer(x)
+    first, state = mixer(x[:, :5])
+    second, _ = mixer(x[:, 5:], state)
+    torch.testing.assert_close(torch.cat([first, second], 1), whole)
+
+
+def test_protocol_options_are_checked(tmp_path):
+    with pytest.raises(UserError, match="--protocol must be lm or zoology"):
+        grid.mqar_grid(out=str(tmp_path / "g"), protocol="nope")
+    with pytest.raises(UserError, match="--schedule must be one_cycle or cosine"):
+        grid.mqar_grid(out=str(tmp_path / "g"), schedule="linear")
+    with pytest.raises(UserError, match="--pairs 40: power-law gaps"):
+        grid.mqar_grid(out=str(tmp_path / "g"), protocol="zoology", pairs=[40], length=128)
+    assert not (tmp_path / "g").exists()

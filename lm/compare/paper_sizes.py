@@ -29,8 +29,16 @@ def mixer_shape(mixer: str, attention: LMConfig) -> dict:
     return {"n_heads": max(1, int(attention.n_heads * MIXERS[mixer].paper_heads))}
 
 
-# Hybrids: a config name -> the layer pattern cycled over the depth.
+# Hybrids: a config name -> the layer pattern cycled over the depth; HYBRID_SOURCES cites where each layout
+# comes from (docs/mesa.md, "Hawk-Mesa's layout").
 HYBRIDS = {"hawk_mesa": "hawk,mesa", "mesa_attention": "mesa,attention"}
+HYBRID_SOURCES = {  # lines for the header of a hybrid's generated configs
+    "hawk_mesa": "# Layout: Hawk and Mesa blocks alternate 1:1, as the MesaNet paper (arXiv 2506.05233 v2)\n"
+                 "# says in Sec. 4 and App. E.1/G.2 (\"simply alternates between blocks that have either a LRU\n"
+                 "# layer or a Mesa layer\"); which comes first is not stated, lm starts with Hawk.\n",
+    "mesa_attention": "# Layout: lm's own hybrid (Mesa and softmax attention alternate 1:1), not a model of the\n"
+                      "# MesaNet paper.\n",
+}
 PAPER_HYBRIDS = ("hawk_mesa",)  # the MesaNet paper's rows (Hawk-Mesa), which `lm compare demo` compares too
 
 
@@ -52,7 +60,8 @@ def config_text(name: str, size: str) -> str:
     base["run_dir"] = f"runs/{name}-{size}"
     header = (f"# {pattern or mixer} at the MesaNet paper's {size} size: the attention config's backbone,\n"
               f"# recipe and data, with the MLP width matched to its {param_count(attention):,} parameters\n"
-              f"# (here {param_count(cfg):,}). Written by python -m lm.compare.paper_sizes.\n")
+              f"# (here {param_count(cfg):,}). Written by python -m lm.compare.paper_sizes.\n"
+              + HYBRID_SOURCES.get(name, ""))
     return header + yaml.safe_dump(base, sort_keys=False)
 
 

@@ -66,6 +66,12 @@ class MQARTask:
     pairs: int = 8
     queries: int | None = None  # default: every key once
     length: int | None = None  # fixed input length (zoology's format); None: context then `query 0` pairs
+    # With a fixed length, where the queries go after the context: "uniform" (any free position), or zoology's
+    # "power" law: query j at 2 g_j after the context, the distinct gaps g drawn with P(g) ~ (g + 1)^(power_a - 1),
+    # so most queries come soon after the context (zoology's data/multiquery_ar.py, a = 0.01).
+    gaps: str = "uniform"
+    power_a: float = 0.01
+    random_fill: bool = False  # the positions between queries hold random tokens (zoology), not the filler 0
 
     def __post_init__(self):
         n, m = self.pairs, self.queries or self.pairs
@@ -75,6 +81,12 @@ class MQARTask:
         if self.length is not None and 2 * n + m > self.length:
             raise ValueError(f"{n} pairs and {m} queries need 2 x {n} + {m} = {2 * n + m} tokens; "
                              f"length is {self.length}")
+        if self.gaps not in ("uniform", "power"):
+            raise ValueError(f"gaps must be uniform or power, got {self.gaps!r}")
+        if self.gaps == "power" and (self.length is None or 2 * n + 2 * m > self.length or self.power_a <= 0):
+            raise ValueError(f"power-law gaps put each query 2 g after the context: {n} pairs and {m} queries need a "
+                             f"length of 2 x {n} + 2 x {m} = {2 * n + 2 * m} or more (got {self.length}), and "
+                             f"power_a > 0 (got {self.power_a})")
 
     @property
     def seq_len(self) -> int:
@@ -94,9 +106,16 @@ def mqar_batch(task: MQARTask, batch: int, generator: torch.Generator) -> tuple[
     asked = torch.stack([torch.randperm(n, generator=generator)[:m] for _ in range(batch)])
     context = torch.stack([keys, values], dim=2).flatten(1)  # k1 v1 k2 v2 ...
     query_keys = keys.gather(1, asked)
-    if task.length is not None:  # zoology: the queries at random positions after the context, filler elsewhere
-        where = 2 * n + torch.rand(batch, task.length - 2 * n, generator=generator).argsort(1)[:, :m]
-        inputs = torch.zeros(batch, task.length, dtype=torch.long)
+    if task.length is not None:  # zoology: the queries at positions after the context, filler elsewhere
+        if task.gaps == "power":
+            space = (task.length - 2 * n) // 2
+            weight = torch.arange(1, space + 1, dtype=torch.float64) ** (task.power_a - 1)
+            gaps = torch.multinomial(weight.expand(batch, space), m, replacement=False, generator=generator)
+            where = 2 * n + 2 * gaps
+        else:
+            where = 2 * n + torch.rand(batch, task.length - 2 * n, generator=generator).argsort(1)[:, :m]
+        inputs = (torch.randint(0, task.vocab, (batch, task.length), generator=generator) if task.random_fill else
+                  torch.zeros(batch, task.length, dtype=torch.long))
         inputs[:, :2 * n] = context
         inputs.scatter_(1, where, query_keys)
         targets = torch.full_like(inputs, -100).scatter_(1, where, values.gather(1, asked))
@@ -134,7 +153,7 @@ def state_floats(model: LanguageModel, length: int) -> int:
 
 def state_floats_per_layer(model: LanguageModel, length: int) -> int:
     """`state_floats` of one layer (the mean over layers: a hybrid's layers differ)."""
-    return state_floats(model, length) // model.cfg.n_layers
+    return state_floats(model, length) // len(model.blocks)
 
 
 def train_mqar(mixer: str, task: MQARTask = MQARTask(), d_model: int = 64, n_layers: int = 2, n_heads: int = 2,

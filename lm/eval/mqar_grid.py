@@ -10,15 +10,18 @@ import csv
 import itertools
 import json
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lm.errors import UserError
 from lm.eval.mqar import MQARTask, mqar_batch, options_for, state_floats_per_layer
 from lm.mixers import MIXERS
+from lm.mixers.layers import ShortConv
 from lm.mixers.protocol import at_length
 from lm.model import LanguageModel, LMConfig
 from lm.output import markdown_table, write_atomically, write_json
@@ -30,16 +33,73 @@ from lm.workers import run_jobs
 # the forward passes, and a cell's time goes down by a quarter.
 QUICK = {"vocab": 32, "length": 24, "pairs": [2, 6], "widths": [16], "steps": 20, "batch": 16}
 CSV_FIELDS = ["mixer", "options", "width", "pairs", "length", "vocab", "lr", "seed", "params", "state_floats",
-              "state_grows", "steps", "accuracy", "final_loss", "seconds"]
+              "state_grows", "steps", "steps_run", "accuracy", "final_loss", "seconds", "mlp", "conv", "gaps",
+              "random_fill", "schedule", "early_stop"]
+
+
+# How the cells train. lm's own protocol (the default): the language model's blocks (mixer + SwiGLU MLP), queries at
+# uniform positions among filler tokens, a one-cycle schedule for all the steps. Zoology's (`--zoology`, from its
+# iclr24_zoology_figure2 configs, data/multiquery_ar.py and its newer configs): no MLP (its state mixer is the
+# identity), a short convolution of 3 before every mixer (attention included), query gaps from a power law with
+# random tokens between, AdamW + cosine decay, stopped early once the held-out accuracy reaches 99%.
+LM_PROTOCOL = {"mlp": True, "conv": 0, "gaps": "uniform", "random_fill": False, "schedule": "one_cycle",
+               "early_stop": None}
+ZOOLOGY = {"mlp": False, "conv": 3, "gaps": "power", "random_fill": True, "schedule": "cosine", "early_stop": 0.99}
+EARLY_STOP_EVERY = 50  # steps between the held-out checks of an early stop (256 queries each)
 
 
 def grid_cells(mixers: list[str], widths: list[int], pairs: list[int], lrs: list[float], seeds: list[int],
-               vocab: int, length: int, steps: int, batch: int) -> list[dict]:
+               vocab: int, length: int, steps: int, batch: int, protocol: dict | None = None) -> list[dict]:
     """Every cell of the grid, in a fixed order (the SLURM array index is a position in this list)."""
     return [{"name": f"{m}_d{w}_n{n}_lr{lr:g}_s{seed}", "mixer": m,
              "options": at_length(m, options_for(m), length), "width": w, "pairs": n, "lr": lr,
-             "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch}
+             "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch,
+             **(protocol or LM_PROTOCOL)}
             for m, w, n, lr, seed in itertools.product(mixers, widths, pairs, lrs, seeds)]
+
+
+class ConvThenMixer(nn.Module):
+    """Zoology's newer blocks: a short causal convolution over the model width (no activation) before the mixer,
+    attention included. The same forward(x, state, reset) -> (y, state) as a mixer."""
+
+    def __init__(self, mixer: nn.Module, width: int, size: int):
+        super().__init__()
+        self.conv, self.mixer = ShortConv(width, size, activation=False), mixer
+
+    def forward(self, x, state=None, reset=None):
+        state = state or {}
+        h, conv = self.conv(x, state.get("conv"), reset)
+        y, inner = self.mixer(h, state.get("mixer"), reset)
+        return y, {"conv": conv, "mixer": inner}
+
+
+def build_model(cell: dict, task: MQARTask) -> LanguageModel:
+    """The cell's 2-layer model: lm's blocks, without their MLP (mlp_ratio 0: the SwiGLU adds exactly zero) and with
+    a convolution before each mixer where the protocol says so."""
+    w = cell["width"]
+    with warnings.catch_warnings():  # the empty MLP's init is a no-op, as it should be
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        model = LanguageModel(LMConfig(
+            vocab_size=task.vocab, d_model=w, n_layers=2, n_heads=2, head_dim=w // 2, mixer=cell["mixer"],
+            mixer_options={cell["mixer"]: cell["options"]}, max_seq_len=task.seq_len, logit_soft_cap=None,
+            mlp_ratio=2.0 if cell["mlp"] else 0.0))
+    if cell["conv"]:
+        for block in model.blocks:
+            block.mixer = ConvThenMixer(block.mixer, w, cell["conv"])
+    return model
+
+
+def held_out_accuracy(model: LanguageModel, task: MQARTask, batch: int, seed: int, queries: int,
+                      device: str) -> tuple[float, int]:
+    """(accuracy, queries scored) on fresh sequences of a generator seeded with `seed`, until `queries` are scored."""
+    test, correct, total = torch.Generator().manual_seed(seed), 0, 0
+    with torch.no_grad():
+        while total < queries:
+            inputs, targets = (t.to(device) for t in mqar_batch(task, batch, test))
+            scored = targets != -100
+            correct += (query_logits(model, inputs, scored).argmax(-1) == targets[scored]).sum().item()
+            total += scored.sum().item()
+    return correct / total, total
 
 
 def query_logits(model: LanguageModel, inputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -52,23 +112,22 @@ def query_logits(model: LanguageModel, inputs: torch.Tensor, scored: torch.Tenso
 
 
 def run_cell(cell: dict, path: str | None = None) -> dict:
-    """Train the cell's model (AdamW, one-cycle schedule, fresh sequences every step), score it on fresh ones; write
-    the row to `path` (atomically: a killed job leaves no half-written cell)."""
+    """Train the cell's model (AdamW with weight decay 0.1, fresh sequences every step; the protocol's schedule and
+    early stop), score it on fresh ones; write the row to `path` (atomically: a killed job leaves no half-written
+    cell)."""
     torch.manual_seed(cell["seed"])
-    task = MQARTask(vocab=cell["vocab"], pairs=cell["pairs"], length=cell["length"])
-    w = cell["width"]
-    model = LanguageModel(LMConfig(
-        vocab_size=task.vocab, d_model=w, n_layers=2, n_heads=2, head_dim=w // 2, mixer=cell["mixer"],
-        mixer_options={cell["mixer"]: cell["options"]}, max_seq_len=task.seq_len, logit_soft_cap=None,
-        mlp_ratio=2.0))
+    task = MQARTask(vocab=cell["vocab"], pairs=cell["pairs"], length=cell["length"], gaps=cell["gaps"],
+                    random_fill=cell["random_fill"])
+    model = build_model(cell, task)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # a SLURM array task may have a GPU
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cell["lr"], weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cell["lr"], total_steps=cell["steps"],
-                                                   pct_start=0.1)
+    schedule = (torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cell["steps"]) if cell["schedule"] == "cosine"
+                else torch.optim.lr_scheduler.OneCycleLR(optimizer, cell["lr"], total_steps=cell["steps"],
+                                                         pct_start=0.1))
     data = torch.Generator().manual_seed(cell["seed"])
-    start = time.perf_counter()
-    for _ in range(cell["steps"]):
+    start, steps_run = time.perf_counter(), 0
+    for step in range(1, cell["steps"] + 1):
         inputs, targets = (t.to(device) for t in mqar_batch(task, cell["batch"], data))
         scored = targets != -100
         loss = F.cross_entropy(query_logits(model, inputs, scored), targets[scored])
@@ -77,19 +136,22 @@ def run_cell(cell: dict, path: str | None = None) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         schedule.step()
+        steps_run = step
+        if cell["early_stop"] is not None and step % EARLY_STOP_EVERY == 0:
+            model.eval()  # held-out sequences of their own seed, not the final scoring's
+            reached = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 20_000, 256, device)[0]
+            model.train()
+            if reached >= cell["early_stop"]:
+                break
     model.eval()
-    test, correct, total = torch.Generator().manual_seed(cell["seed"] + 10_000), 0, 0
+    accuracy, _ = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 10_000, 2048, device)
     with torch.no_grad():
-        while total < 2048:  # queries scored on fresh sequences
-            inputs, targets = (t.to(device) for t in mqar_batch(task, cell["batch"], test))
-            scored = targets != -100
-            correct += (query_logits(model, inputs, scored).argmax(-1) == targets[scored]).sum().item()
-            total += scored.sum().item()
         model.cpu()
         state = state_floats_per_layer(model, task.length)
         grows = state_floats_per_layer(model, 2 * task.length) > state  # a KV cache
     row = {**cell, "params": model.num_params(), "state_floats": state, "state_grows": grows,
-           "accuracy": correct / total, "final_loss": loss.item(), "seconds": round(time.perf_counter() - start, 1)}
+           "accuracy": accuracy, "final_loss": loss.item(), "steps_run": steps_run,
+           "seconds": round(time.perf_counter() - start, 1)}
     if path:
         write_json(Path(path), row, indent=1)
     return row
@@ -98,15 +160,17 @@ def run_cell(cell: dict, path: str | None = None) -> dict:
 def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, vocab: int = 1024, length: int = 128,
               pairs: list[int] | None = None, widths: list[int] | None = None, steps: int = 150,
               batch: int = 32, lrs: list[float] | None = None, seeds: list[int] | None = None, processes: int = 2,
-              cell: int | None = None, quick: bool = False) -> list[dict]:
+              cell: int | None = None, quick: bool = False, protocol: str = "lm", mlp: bool | None = None,
+              conv: int | None = None, gaps: str | None = None, random_fill: bool | None = None,
+              schedule: str | None = None, early_stop: float | None = None) -> list[dict]:
     """MQAR in zoology's grid: accuracy of a 2-layer model of each mixer against its state size per layer.
 
     The default grid (vocab 1024, length 128, pairs 8/16/32, widths 32/64, every registered mixer: 54 cells of
     150 steps of 32 sequences at lr 3e-3, seed 0) is what 2 CPU cores train in about half an hour, and it is far
     too short for any mixer to bind at this vocabulary (docs/mqar.md): it checks the machinery. Zoology's grid is
-    `--length 256 --pairs [8,16,32,64] --widths [32,64,128]` with many more steps and an lr sweep (`--lrs
-    [3e-4,1e-3,3e-3,1e-2]`), for SLURM: an array of one cell per task (`lm slurm submit --kind eval --tasks N --
-    mqar-grid ...`, N from `lm eval mqar-grid ... --cell -1`).
+    `--protocol zoology --length 256 --pairs [8,16,32,64] --widths [32,64,128]` with many more steps and an lr sweep
+    (`--lrs [3e-4,1e-3,3e-3,1e-2]`), for SLURM: an array of one cell per task (`lm slurm submit --kind eval --tasks N
+    -- mqar-grid ...`, N from `lm eval mqar-grid ... --cell -1`).
 
     Args:
         out: Directory of the results: cells/ (one JSON per cell), grid.csv, grid.md, accuracy_vs_state.png.
@@ -125,6 +189,16 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
         cell: Run only this cell (0 .. cells - 1, the SLURM array index); -1: print the number of cells and stop.
         quick: A tiny grid for tests (vocab 32, length 24, pairs 2/6, width 16, 20 steps of 16): a second or so a
             cell.
+        protocol: How cells train: "lm" (lm's blocks with their MLP, uniform query positions among filler, one-cycle
+            schedule) or "zoology" (no MLP, a convolution of 3 before every mixer, power-law query gaps among random
+            tokens, cosine decay, early stop at 99%). The options below override single parts of it.
+        mlp: Blocks with their SwiGLU MLP (zoology: none).
+        conv: A short causal convolution of this size before every mixer, 0 for none (zoology: 3).
+        gaps: Where queries go after the context: "uniform" or "power" (zoology's power law, a = 0.01).
+        random_fill: Random tokens, not the filler 0, between the queries (zoology).
+        schedule: "one_cycle" (10% warmup, then cosine) or "cosine" (cosine decay from the peak, zoology).
+        early_stop: Stop a cell once its accuracy on 256 held-out queries, checked every 50 steps, reaches this
+            (zoology: 0.99).
     """
     pairs, widths, lrs, seeds = pairs or [8, 16, 32], widths or [32, 64], lrs or [3e-3], seeds or [0]
     if quick:
@@ -134,18 +208,28 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown:
         raise UserError(f"unknown mixers {unknown}; known: {', '.join(MIXERS)}")
-    for n in pairs:
-        try:
-            MQARTask(vocab=vocab, pairs=n, length=length)
-        except ValueError as err:
-            raise UserError(f"--pairs {n}: {err}") from None
     if steps < 20 or batch < 1 or processes < 1 or min(widths) < 2 or any(w % 2 for w in widths):
         raise UserError("need steps >= 20 (the one-cycle warmup), batch >= 1, processes >= 1 and even widths")
     if not mixers:
         raise UserError("--mixers names no mixer")
     if min(pairs) < 1 or not all(lr > 0 for lr in lrs):
         raise UserError(f"--pairs must be at least 1 and --lrs positive, got {pairs} and {lrs}")
-    cells = grid_cells(mixers, widths, pairs, lrs, seeds, vocab, length, steps, batch)
+    if protocol not in ("lm", "zoology"):
+        raise UserError(f"--protocol must be lm or zoology, got {protocol!r}")
+    overrides = {"mlp": mlp, "conv": conv, "gaps": gaps, "random_fill": random_fill, "schedule": schedule,
+                 "early_stop": early_stop}
+    chosen = {**(ZOOLOGY if protocol == "zoology" else LM_PROTOCOL),
+              **{k: v for k, v in overrides.items() if v is not None}}
+    if chosen["schedule"] not in ("one_cycle", "cosine") or chosen["conv"] < 0 or not (
+            chosen["early_stop"] is None or 0 < chosen["early_stop"] <= 1):
+        raise UserError(f"--schedule must be one_cycle or cosine, --conv 0 or more, --early_stop in (0, 1]; got "
+                        f"{chosen['schedule']!r}, {chosen['conv']}, {chosen['early_stop']}")
+    for n in pairs:
+        try:
+            MQARTask(vocab=vocab, pairs=n, length=length, gaps=chosen["gaps"])
+        except ValueError as err:
+            raise UserError(f"--pairs {n}: {err}") from None
+    cells = grid_cells(mixers, widths, pairs, lrs, seeds, vocab, length, steps, batch, chosen)
     if cell == -1:
         print(len(cells))
         return []
@@ -157,9 +241,9 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
     done = read_cells(directory)
     for c in cells:  # a cell of another grid under the same name would mix two grids in one table
         old = done.get(c["name"])
-        if old and any(old[k] != v for k, v in c.items()):
+        if old and any(old.get(k) != v for k, v in c.items()):
             raise UserError(f"{directory / 'cells' / c['name']}.json was run with other settings "
-                            f"({', '.join(k for k, v in c.items() if old[k] != v)}): use another --out")
+                            f"({', '.join(k for k, v in c.items() if old.get(k) != v)}): use another --out")
 
     todo = [c for c in ([cells[cell]] if cell is not None else cells) if c["name"] not in done]
     (directory / "cells").mkdir(parents=True, exist_ok=True)
