@@ -38,12 +38,12 @@ MODULES = {module_name(p): p for p in sorted((ROOT / "lm").rglob("*.py"))}
 
 
 def layer_of(module: str) -> int:
-    """The layer that names the longest prefix of `module`."""
-    best = max(((len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
-                if module == prefix or module.startswith(prefix + ".")), default=None)
-    if best is None or (best[0] == 2 and module != "lm"):  # "lm" itself names only lm/__init__.py
+    """The layer that names the longest prefix of `module` ("lm" names lm/__init__.py alone)."""
+    matches = [(len(prefix), i) for i, names in enumerate(LAYERS) for prefix in names
+               if module == prefix or (prefix != "lm" and module.startswith(prefix + "."))]
+    if not matches:
         raise AssertionError(f"{module} is in no layer of tests/test_layers.py")
-    return best[1]
+    return max(matches)[1]
 
 
 def imported_modules(module: str) -> set[str]:
