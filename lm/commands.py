@@ -83,8 +83,8 @@ COMMANDS = {
                              "mixer: speedup, compile time, graph breaks", "bench"),
     "bench hf-generate": Command("lm.bench.hf_generate:bench_hf_generate", "transformers' generate() on lm models "
                                  "vs LanguageModel.generate: cache bytes, tokens/s", "bench"),
-    "research mesa-ablation": Command("lm.bench.mesa_ablation:mesa_ablation", "Mesa's gate init, output gate, CG "
-                                      "stopping and lr vs Gated DeltaNet (~2 h on 2 cores)", "research"),
+    "research mesa-ablation": Command("lm.bench.mesa_ablation:mesa_ablation", "Mesa's variants (output scale, v conv, "
+                                      "heads, Lambda, CG steps) vs Gated DeltaNet, 3 seeds", "research"),
     "research ab": Command("lm.bench.op_ab:bench_ab", "a sequence op of the working tree vs the same op at a git "
                            "revision: old / new time, one run", "research"),
 }

@@ -96,6 +96,32 @@ def test_mesa_gate_inits_give_the_memories_they_name(init, memories):
         MIXERS["mesa"](32, 4, 8, 0, gamma_init="wide")
 
 
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_mesa_lambda_and_output_norm_start_where_their_options_say(output_gate):
+    """lam_init and norm_init (lm research mesa-ablation's settings) set Lambda and the output RMSNorm's weight in a
+    model (whose own init leaves both alone); the output then starts at norm_init times the scale it has with 1.
+    A lam_init at or below lam_floor, which softplus never reaches, is refused when the options are checked."""
+    options = {"output_gate": output_gate}
+    build = lambda **extra: LanguageModel(LMConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, head_dim=8,
+                                                   mixer="mesa", mixer_options={"mesa": {**options, **extra}}))
+    torch.manual_seed(0)
+    plain = build(norm_init=1.0)
+    torch.manual_seed(0)
+    model = build(lam_init=0.3, norm_init=0.125)
+    x = torch.randn(2, 9, 32)
+    for layer, reference in zip(model.blocks, plain.blocks):
+        mixer = layer.mixer
+        torch.testing.assert_close(mixer.lam(), torch.full((4, 8), 0.3), rtol=1e-6, atol=0)
+        assert (mixer.norm.weight == 0.125).all() and (reference.mixer.norm.weight == 1).all()
+        assert torch.equal(reference.mixer.lam(), torch.ones(4, 8))
+        mixer.lam_raw.data.copy_(reference.mixer.lam_raw)  # the same solve: only the norm's weight differs
+        torch.testing.assert_close(mixer(x)[0], 0.125 * reference.mixer(x)[0], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="lam_init.*must exceed lam_floor"):
+        MIXERS["mesa"].check_options({"lam_init": 0.25})
+    # Without the RMSNorm (the probes' minimal block) nothing sets the output to unit RMS: its gain stays 1.
+    assert (MIXERS["mesa"](32, 4, 8, 0, **options, output_norm=False, norm_init=0.125).norm.weight == 1).all()
+
+
 def test_the_model_applies_gamma_init_once_and_keeps_the_mixers_gate_biases(monkeypatch):
     """Mesa's gamma_init is applied by its constructor, once per layer: the model's init leaves the biases marked
     own_init (Mesa's gates, mLSTM's) as the constructor set them and applies nothing a second time."""

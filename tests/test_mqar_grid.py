@@ -85,9 +85,9 @@ def expected_state_floats(mixer: str, options: dict, d: int, heads: int, head_di
 
 
 def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
-    """Every registered mixer, two processes, as the default grid runs. Each cell's state size is what its mixer's
-    recurrence holds, and its row is its own: rerun alone in this process (one thread, as in the pool), a cell gives
-    the same accuracy and loss to the last bit."""
+    """Every registered mixer, two processes, as the default grid runs (zoology's protocol). Each cell's state size
+    is what its mixer's recurrence holds plus the convolution before it, and its row is its own: rerun alone in this
+    process (one thread, as in the pool), a cell gives the same accuracy and loss to the last bit."""
     out = tmp_path / "grid"
     rows = grid.mqar_grid(out=str(out), quick=True, processes=2)
     assert len(rows) == len(MIXERS) * 2
@@ -96,8 +96,9 @@ def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
     width, length = grid.QUICK["widths"][0], grid.QUICK["length"]
     for row, r in zip(rows, table):
         assert (row["mixer"], row["pairs"]) == (r["mixer"], int(r["pairs"]))
+        assert (row["conv"], row["mlp"], row["gaps"]) == (3, False, "power")
         state, longer = (expected_state_floats(row["mixer"], row["options"], width, 2, width // 2, n)
-                         for n in (length, 2 * length))
+                         + (row["conv"] - 1) * width for n in (length, 2 * length))
         assert int(r["state_floats"]) == row["state_floats"] == state, row["name"]
         assert r["state_grows"] == str(longer > state), row["name"]  # a KV cache
         per_batch = grid.QUICK["batch"] * row["pairs"]  # queries scored: whole batches until 2048
@@ -154,6 +155,16 @@ def test_cell_minus_one_prints_the_number_of_cells(tmp_path, capsys):
     assert not (tmp_path / "grid").exists()
 
 
+def test_mixer_options_replace_the_probe_options_in_the_cells_model():
+    """--mixer_options (Mesa's output norm from 1, as before issue "Science") reach the model a cell trains."""
+    task = MQARTask(vocab=32, pairs=2, length=24)
+    default, chosen = (grid.grid_cells(["mesa"], [16], [2], [1e-3], [0], 32, 24, 20, 16, mixer_options=options)[0]
+                       for options in (None, {"mesa": {"norm_init": 1.0}}))
+    assert chosen["options"] == {"norm_init": 1.0} and default["options"] == {}
+    weights = [grid.build_model(c, task).blocks[0].mixer.norm.weight for c in (default, chosen)]
+    assert (weights[0] == MIXERS["mesa"].Options().norm_init).all() and (weights[1] == 1.0).all()
+
+
 def test_cells_of_another_grid_are_refused(tmp_path):
     out = tmp_path / "grid"
     grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1, cell=0)
@@ -166,9 +177,12 @@ def test_cells_of_another_grid_are_refused(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (dict(mixers=["nope"]), "unknown mixers \\['nope'\\]"),
-    (dict(pairs=[8, 64]), "--pairs 64: 64 pairs and 64 queries need .* length is 128"),
-    (dict(cell=len(MIXERS) * 6), f"--cell {len(MIXERS) * 6} is out of range: this grid has {len(MIXERS) * 6} cells"),
+    (dict(pairs=[8, 64]), "--pairs 64: 64 pairs need 64 distinct keys; vocab 128 has 63"),
+    (dict(pairs=[8, 16], length=40), "--pairs 16: .* length is 40"),
+    (dict(cell=len(MIXERS) * 8), f"--cell {len(MIXERS) * 8} is out of range: this grid has {len(MIXERS) * 8} cells"),
     (dict(out="FILE"), "--out .*FILE is a file, not a directory"),
+    (dict(mixers=["mesa"], mixer_options={"mesa": {"nope": 1}}), "--mixer_options: mixer 'mesa' has no option 'nope'"),
+    (dict(mixers=["mesa"], mixer_options={"gla": {}}), "--mixer_options names 'gla', which is not among --mixers"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, args, message):
     (tmp_path / "FILE").write_text("")

@@ -1,15 +1,14 @@
-"""`lm research mesa-ablation`: why Mesa trailed in `lm compare demo`, tested on the demo's shape (1M parameters, the
-bundled corpus, seq_len 128) with more optimizer steps, so that the gates can move.
+"""`lm research mesa-ablation`: why Mesa trails Gated DeltaNet in `lm compare demo`, tested on the demo's shape (1M
+parameters, the bundled corpus, seq_len 128) with more optimizer steps, so that the gates can move.
 
-Gated DeltaNet and Mesa as it was (gate biases "narrow") each get an lr grid with two seeds. Mesa's variants (the
-gate-bias init, the output gate, CG to a tolerance instead of 30 steps) change one thing each, at the best lr of
-Mesa's grid, with two seeds. This is not a full factorial and has no combinations: those would not fit the ~2 hours
-on 2 cores it is sized for. Every variant is its own `lm compare plan` at matched parameters (the output gate adds
-parameters, which the plan takes from the MLP). Every run is `lm train` + `lm eval ppl`, two at a time, and
-`lm compare report` draws the tables and loss curves.
+The settings file (configs/bench/mesa_ablation.yaml) names the variants: each changes one thing from today's Mesa
+(its options, its head count, or its lr), and Gated DeltaNet runs at the same seeds. This is not a full factorial:
+one that crossed every change would not fit the 80 minutes on 2 cores it takes. Every variant is its own `lm
+compare plan` at matched parameters (an output gate or a head shape that changes the count is paid for by the MLP).
+Every run is `lm train` + `lm eval ppl`, two at a time, and `lm compare report` draws the tables and loss curves.
 
 Under --out: data/, plan-VARIANT/ (configs), runs/VARIANT-lrLR-seedS, logs/, ablation.md (val ppl per setting: mean
-and spread over seeds, and where the gates went) and report/.
+and spread over seeds, NLL by position, where the gates went), nll_by_position.png and report/.
 """
 
 import json
@@ -26,12 +25,13 @@ from lm.resources import shipped
 SETTINGS = shipped("configs/bench/mesa_ablation.yaml")
 
 
-def load_variants(path: Path = SETTINGS) -> tuple[dict[str, tuple[str, dict, list[float]]], list[int]]:
-    """(name -> (mixer, options, lrs), seeds) from the settings file (configs/bench/mesa_ablation.yaml)."""
+def load_variants(path: Path = SETTINGS) -> tuple[dict[str, tuple[str, dict, list[float], int | None]], list[int]]:
+    """(name -> (mixer, options, lrs, n_heads or None), seeds) from the settings file
+    (configs/bench/mesa_ablation.yaml)."""
     if not Path(path).is_file():
         raise UserError(f"{path} not found: give --settings (configs/bench/mesa_ablation.yaml of the source tree)")
     settings = yaml.safe_load(Path(path).read_text())
-    variants = {name: (v["mixer"], v.get("options") or {}, v.get("lrs") or settings["lrs"])
+    variants = {name: (v["mixer"], v.get("options") or {}, v.get("lrs") or settings["lrs"], v.get("n_heads"))
                 for name, v in settings["variants"].items()}
     return variants, settings["seeds"]
 
@@ -46,7 +46,7 @@ def planned_configs(out: Path, base: dict, params: float, only: list[str] | None
     from lm.compare.plan import plan
 
     configs = []
-    for variant, (mixer, options, lrs) in variants.items():
+    for variant, (mixer, options, lrs, n_heads) in variants.items():
         if only and variant not in only:
             continue
         variant_base = out / f"base-{variant}.yaml"
@@ -56,8 +56,26 @@ def planned_configs(out: Path, base: dict, params: float, only: list[str] | None
                        out=str(out / f"plan-{variant}"))
         for path in planned["archs"][0]["configs"]:
             config = yaml.safe_load(Path(path).read_text())
+            if n_heads:
+                config["model"] = with_heads(config["model"], n_heads, params)
+                Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
             configs.append((run_name(variant, config["optim"]["lr"], config["seed"]), path))
     return configs
+
+
+def with_heads(model: dict, n_heads: int, params: float) -> dict:
+    """The planned model with n_heads heads (of the same head_dim) and its MLP refitted to `params` as the plan fits
+    it, so that a head shape (Gated DeltaNet's 2 heads with expand_v 2) is compared at matched parameters too."""
+    from dataclasses import asdict, replace
+
+    from lm.accounting.flops import param_count
+    from lm.compare.plan import fit_mlp
+    from lm.model import LMConfig
+
+    cfg = fit_mlp(replace(LMConfig(**model), n_heads=n_heads), param_count, params)
+    if cfg is None:
+        raise UserError(f"no MLP width matches {params:g} parameters with {n_heads} heads")
+    return {k: v for k, v in asdict(cfg).items() if k in model or k == "mlp_ratio"}
 
 
 def mesa_gate_bias_drift(state_dict: dict, n_heads: int, **options) -> float:
@@ -94,33 +112,81 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
     return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
 
 
-def ablation_table(out: Path, seq_len: int, variants: dict, seeds: list[int]) -> str:
+def seed_results(out: Path, variant: str, lr: float, seeds: list[int], seq_len: int) -> list[tuple[float, dict]]:
+    """(val ppl, position -> NLL) of each seed's `lm eval ppl` that has finished."""
+    from lm.eval.ppl import read_curve
+
+    evals = [out / "runs" / run_name(variant, lr, seed) / "eval" / f"ppl-validation-T{seq_len}" for seed in seeds]
+    return [(json.loads((e / "ppl.json").read_text())["ppl"], read_curve(e)) for e in evals
+            if (e / "ppl.json").is_file()]
+
+
+def mean_curve(curves: list[dict]) -> dict[int, float]:
+    return {k: statistics.fmean(c[k] for c in curves) for k in curves[0]}
+
+
+def ablation_table(out: Path, seq_len: int, variants: dict, seeds: list[int]) -> tuple[str, dict]:
     """One row per (variant, lr) from the run directories: val ppl (`lm eval ppl`) mean and spread (max - min) over
-    seeds, and for Mesa where the gates went (seed 0)."""
+    seeds, the mean NLL at positions 1, 16 and seq_len, and for Mesa where the gates went (the first seed); and
+    (variant, lr) -> the mean NLL by position, for the figure."""
+    positions = sorted({1, min(16, seq_len), seq_len})
     header = ("setting", "options", "lr", "seeds", "val ppl (mean)", "spread", "val ppl per seed",
-              "gamma mean, first -> last step", "max gate-bias change")
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for variant, (mixer, options, lrs) in variants.items():
+              *(f"NLL@{k}" for k in positions), "gamma mean, first -> last step", "max gate-bias change")
+    lines, curves = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)], {}
+    for variant, (mixer, options, lrs, n_heads) in variants.items():
         for lr in lrs:
-            runs = [out / "runs" / run_name(variant, lr, seed) for seed in seeds]
-            results = [run / "eval" / f"ppl-validation-T{seq_len}" / "ppl.json" for run in runs]
-            ppls = [json.loads(path.read_text())["ppl"] for path in results if path.is_file()]
-            if not ppls:
+            results = seed_results(out, variant, lr, seeds, seq_len)
+            if not results:
                 continue
-            config = yaml.safe_load((runs[0] / "config.yaml").read_text())
-            drift = gate_drift(runs[0], mixer, options, config["model"]["n_heads"])
+            ppls, curve = [r[0] for r in results], mean_curve([r[1] for r in results])
+            curves[variant, lr] = curve
+            first = next(out / "runs" / run_name(variant, lr, seed) for seed in seeds
+                         if (out / "runs" / run_name(variant, lr, seed) / "config.yaml").is_file())
+            config = yaml.safe_load((first / "config.yaml").read_text())
+            drift = gate_drift(first, mixer, options, config["model"]["n_heads"])
+            shown = {**options, **({"n_heads": n_heads} if n_heads else {})}
             lines.append("| " + " | ".join((
-                variant, ", ".join(f"{k}: {v}" for k, v in options.items()) or "-", f"{lr:g}", str(len(ppls)),
+                variant, ", ".join(f"{k}: {v}" for k, v in shown.items()) or "-", f"{lr:g}", str(len(ppls)),
                 f"{statistics.fmean(ppls):.2f}", f"{max(ppls) - min(ppls):.2f}",
-                " / ".join(f"{p:.2f}" for p in ppls), *drift)) + " |")
-    return "\n".join(lines) + "\n"
+                " / ".join(f"{p:.2f}" for p in ppls), *(f"{curve[k]:.3f}" for k in positions), *drift)) + " |")
+    return "\n".join(lines) + "\n", curves
+
+
+def plot_nll_by_position(curves: dict, path: Path) -> None:
+    """NLL by position (mean over seeds) of each setting at each lr, and its difference to the first Gated
+    DeltaNet row at the same lr (else at its first lr)."""
+    from lm.plotting import pyplot, save
+
+    plt = pyplot()
+    fig, (raw, diff) = plt.subplots(1, 2, figsize=(12, 4.5))
+    references = {}
+    for (variant, lr), curve in curves.items():
+        if variant.startswith("gated_deltanet"):
+            references.setdefault(lr, curve)
+    fallback = next(iter(references.values()), None)
+    for i, ((variant, lr), curve) in enumerate(curves.items()):
+        positions = sorted(curve)
+        style = {"label": f"{variant} {lr:g}", "color": pyplot().get_cmap("tab20")(i % 20),
+                 "linestyle": "--" if variant.startswith("gated_deltanet") else "-"}
+        raw.plot(positions, [curve[k] for k in positions], **style)
+        reference = references.get(lr, fallback)
+        if reference is not None:
+            diff.plot(positions, [curve[k] - reference[k] for k in positions], **style)
+    raw.set(xscale="log", xlabel="position in sequence", ylabel="NLL (nats), mean over seeds")
+    diff.set(xscale="log", xlabel="position in sequence", ylabel="NLL - Gated DeltaNet's at the same lr (nats)")
+    diff.axhline(0, color="black", linewidth=0.8)
+    for ax in raw, diff:
+        ax.grid(alpha=0.3)
+    raw.legend(fontsize=7, ncol=2)
+    save(fig, path)
 
 
 def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: int = 400, global_batch: int = 8,
                   seq_len: int = 128, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
                   val_windows: int | None = None, only: list[str] | None = None, report_only: bool = False,
                   settings: str = str(SETTINGS)) -> dict:
-    """Mesa's gate init, output gate and CG stopping, and the lr, against Gated DeltaNet (~2 hours on 2 CPU cores).
+    """Mesa's variants (configs/bench/mesa_ablation.yaml) against Gated DeltaNet, with seeds (about 80 minutes on 2
+    CPU cores, docs/mesa.md).
 
     Args:
         out: Where everything goes (see the module docstring); a rerun reuses the prepared data.
@@ -175,8 +241,10 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
               f"{workers} at a time; logs in {out_dir / 'logs'}", file=sys.stderr)
         run_jobs(jobs, workers, threads, logs={name: out_dir / "logs" / f"{name}.log" for name in jobs},
                  done=progress("lm research mesa-ablation"))
-    table = ablation_table(out_dir, seq_len, variants, seeds)
+    table, curves = ablation_table(out_dir, seq_len, variants, seeds)
     (out_dir / "ablation.md").write_text(table)
+    if curves:
+        plot_nll_by_position(curves, out_dir / "nll_by_position.png")
     report_dir = report([str(out_dir / "runs" / name) for name in names if (out_dir / "runs" / name).is_dir()],
                         out=str(out_dir / "report"), positions=[1, 16, seq_len],
                         title=f"Mesa ablation: {steps} steps x {global_batch} x {seq_len}")

@@ -31,17 +31,17 @@ from lm.workers import run_jobs
 
 # The tests' grid: tiny sizes, a second or so a cell. Batches of 16 rather than 8: scoring 2048 queries takes half
 # the forward passes, and a cell's time goes down by a quarter.
-QUICK = {"vocab": 32, "length": 24, "pairs": [2, 6], "widths": [16], "steps": 20, "batch": 16}
+QUICK = {"vocab": 32, "length": 24, "pairs": [2, 6], "widths": [16], "steps": 20, "batch": 16, "lrs": [3e-3]}
 CSV_FIELDS = ["mixer", "options", "width", "pairs", "length", "vocab", "lr", "seed", "params", "state_floats",
               "state_grows", "steps", "steps_run", "accuracy", "final_loss", "seconds", "mlp", "conv", "gaps",
               "random_fill", "schedule", "early_stop"]
 
 
-# How the cells train. lm's own protocol (the default): the language model's blocks (mixer + SwiGLU MLP), queries at
-# uniform positions among filler tokens, a one-cycle schedule for all the steps. Zoology's (`--zoology`, from its
-# iclr24_zoology_figure2 configs, data/multiquery_ar.py and its newer configs): no MLP (its state mixer is the
-# identity), a short convolution of 3 before every mixer (attention included), query gaps from a power law with
-# random tokens between, AdamW + cosine decay, stopped early once the held-out accuracy reaches 99%.
+# How the cells train. Zoology's (the default, from its iclr24_zoology_figure2 configs, data/multiquery_ar.py and its
+# newer configs): no MLP (its state mixer is the identity), a short convolution of 3 before every mixer (attention
+# included), query gaps from a power law with random tokens between, AdamW + cosine decay, stopped early once the
+# held-out accuracy reaches 99%. lm's own (`--protocol lm`): the language model's blocks (mixer + SwiGLU MLP),
+# queries at uniform positions among filler tokens, a one-cycle schedule for all the steps.
 LM_PROTOCOL = {"mlp": True, "conv": 0, "gaps": "uniform", "random_fill": False, "schedule": "one_cycle",
                "early_stop": None}
 ZOOLOGY = {"mlp": False, "conv": 3, "gaps": "power", "random_fill": True, "schedule": "cosine", "early_stop": 0.99}
@@ -49,10 +49,12 @@ EARLY_STOP_EVERY = 50  # steps between the held-out checks of an early stop (256
 
 
 def grid_cells(mixers: list[str], widths: list[int], pairs: list[int], lrs: list[float], seeds: list[int],
-               vocab: int, length: int, steps: int, batch: int, protocol: dict | None = None) -> list[dict]:
+               vocab: int, length: int, steps: int, batch: int, protocol: dict | None = None,
+               mixer_options: dict[str, dict] | None = None) -> list[dict]:
     """Every cell of the grid, in a fixed order (the SLURM array index is a position in this list)."""
     return [{"name": f"{m}_d{w}_n{n}_lr{lr:g}_s{seed}", "mixer": m,
-             "options": at_length(m, options_for(m), length), "width": w, "pairs": n, "lr": lr,
+             "options": at_length(m, (mixer_options or {}).get(m, options_for(m)), length), "width": w, "pairs": n,
+             "lr": lr,
              "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch,
              **(protocol or LM_PROTOCOL)}
             for m, w, n, lr, seed in itertools.product(mixers, widths, pairs, lrs, seeds)]
@@ -157,41 +159,43 @@ def run_cell(cell: dict, path: str | None = None) -> dict:
     return row
 
 
-def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, vocab: int = 1024, length: int = 128,
-              pairs: list[int] | None = None, widths: list[int] | None = None, steps: int = 150,
+def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, vocab: int = 128, length: int = 64,
+              pairs: list[int] | None = None, widths: list[int] | None = None, steps: int = 1000,
               batch: int = 32, lrs: list[float] | None = None, seeds: list[int] | None = None, processes: int = 2,
-              cell: int | None = None, quick: bool = False, protocol: str = "lm", mlp: bool | None = None,
+              cell: int | None = None, quick: bool = False, protocol: str = "zoology", mlp: bool | None = None,
               conv: int | None = None, gaps: str | None = None, random_fill: bool | None = None,
-              schedule: str | None = None, early_stop: float | None = None) -> list[dict]:
+              schedule: str | None = None, early_stop: float | None = None,
+              mixer_options: dict[str, dict] | None = None) -> list[dict]:
     """MQAR in zoology's grid: accuracy of a 2-layer model of each mixer against its state size per layer.
 
-    The default grid (vocab 1024, length 128, pairs 8/16/32, widths 32/64, every registered mixer: 54 cells of
-    150 steps of 32 sequences at lr 3e-3, seed 0) is what 2 CPU cores train in about half an hour, and it is far
-    too short for any mixer to bind at this vocabulary (docs/mqar.md): it checks the machinery. Zoology's grid is
-    `--protocol zoology --length 256 --pairs [8,16,32,64] --widths [32,64,128]` with many more steps and an lr sweep
-    (`--lrs [3e-4,1e-3,3e-3,1e-2]`), for SLURM: an array of one cell per task (`lm slurm submit --kind eval --tasks N
-    -- mqar-grid ...`, N from `lm eval mqar-grid ... --cell -1`).
+    The default grid is zoology's protocol at a size 2 CPU cores train in under half an hour (docs/mqar.md): every
+    registered mixer, vocab 128, length 64, pairs 8/16, widths 16/32, up to 1000 steps of 32 sequences at lrs 3e-3
+    and 1e-2, seed 0 (72 cells). Attention at width 32 solves its hardest cell, and mixers of equal state part by
+    far more than 20 points. Zoology's own grid is `--vocab 8192 --length 256 --pairs [8,16,32,64] --widths
+    [32,64,128]` with many more steps and `--lrs [3e-4,1e-3,3e-3,1e-2]`, for SLURM: an array of one cell per task
+    (`lm slurm submit --kind eval --tasks N -- mqar-grid ...`, N from `lm eval mqar-grid ... --cell -1`).
 
     Args:
         out: Directory of the results: cells/ (one JSON per cell), grid.csv, grid.md, accuracy_vs_state.png.
         mixers: Mixers (default: every registered mixer, with its `lm eval mqar` options, OPTIONS in lm/eval/mqar.py).
-        vocab: Vocabulary (keys from the lower half, values from the upper half; zoology uses 8192).
+        vocab: Vocabulary (keys from the lower half, values from the upper half; zoology's is 8192).
         length: Tokens per sequence: the 2n context tokens, then the n queries at random positions among filler.
-        pairs: Numbers of key-value pairs (default [8, 16, 32]; each key queried once); 3 x pairs must fit the
-            length.
-        widths: Model widths (default [32, 64]; d_model, with 2 heads of width/2).
-        steps: Training steps per cell (fresh sequences every step).
+        pairs: Numbers of key-value pairs (default [8, 16]; each key queried once); the context and the queries
+            must fit the length.
+        widths: Model widths (default [16, 32]; d_model, with 2 heads of width/2).
+        steps: Training steps per cell (fresh sequences every step), fewer where the early stop ends it.
         batch: Sequences per step.
-        lrs: Peak learning rates (default [3e-3]; one-cycle schedule); with several, the tables keep each cell's
-            best, as zoology does.
+        lrs: Peak learning rates (default [3e-3, 1e-2]; quick: [3e-3]); the tables keep each cell's best, as zoology
+            does.
         seeds: Seeds of model and data (default [0]); the tables give the mean (and the range).
         processes: Cells run in parallel, each in a fresh process of one thread.
         cell: Run only this cell (0 .. cells - 1, the SLURM array index); -1: print the number of cells and stop.
-        quick: A tiny grid for tests (vocab 32, length 24, pairs 2/6, width 16, 20 steps of 16): a second or so a
-            cell.
-        protocol: How cells train: "lm" (lm's blocks with their MLP, uniform query positions among filler, one-cycle
-            schedule) or "zoology" (no MLP, a convolution of 3 before every mixer, power-law query gaps among random
-            tokens, cosine decay, early stop at 99%). The options below override single parts of it.
+        quick: A tiny grid for tests (vocab 32, length 24, pairs 2/6, width 16, 20 steps of 16, one lr): a second or
+            so a cell.
+        protocol: How cells train: "zoology" (the default: no MLP, a convolution of 3 before every mixer, power-law
+            query gaps among random tokens, cosine decay, early stop at 99%) or "lm" (lm's blocks with their MLP,
+            uniform query positions among filler, one-cycle schedule). The options below override single parts of
+            it.
         mlp: Blocks with their SwiGLU MLP (zoology: none).
         conv: A short causal convolution of this size before every mixer, 0 for none (zoology: 3).
         gaps: Where queries go after the context: "uniform" or "power" (zoology's power law, a = 0.01).
@@ -199,11 +203,14 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
         schedule: "one_cycle" (10% warmup, then cosine) or "cosine" (cosine decay from the peak, zoology).
         early_stop: Stop a cell once its accuracy on 256 held-out queries, checked every 50 steps, reaches this
             (zoology: 0.99).
+        mixer_options: Options per mixer, instead of its OPTIONS in lm/eval/mqar.py (e.g. {mesa: {norm_init: 1.0}});
+            cells are named without them, so a grid with other options needs its own --out.
     """
-    pairs, widths, lrs, seeds = pairs or [8, 16, 32], widths or [32, 64], lrs or [3e-3], seeds or [0]
     if quick:
         vocab, length, pairs, widths, steps, batch = (QUICK[k] for k in
                                                      ("vocab", "length", "pairs", "widths", "steps", "batch"))
+        lrs = lrs or QUICK["lrs"]
+    pairs, widths, lrs, seeds = pairs or [8, 16], widths or [16, 32], lrs or [3e-3, 1e-2], seeds or [0]
     mixers = list(MIXERS) if mixers is None else mixers
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown:
@@ -229,7 +236,14 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
             MQARTask(vocab=vocab, pairs=n, length=length, gaps=chosen["gaps"])
         except ValueError as err:
             raise UserError(f"--pairs {n}: {err}") from None
-    cells = grid_cells(mixers, widths, pairs, lrs, seeds, vocab, length, steps, batch, chosen)
+    for m, options in (mixer_options or {}).items():
+        if m not in mixers:
+            raise UserError(f"--mixer_options names {m!r}, which is not among --mixers")
+        try:
+            MIXERS[m].check_options(options)
+        except ValueError as err:
+            raise UserError(f"--mixer_options: {err}") from None
+    cells = grid_cells(mixers, widths, pairs, lrs, seeds, vocab, length, steps, batch, chosen, mixer_options)
     if cell == -1:
         print(len(cells))
         return []

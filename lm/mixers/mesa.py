@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, own_init, residual_output
-from lm.mixers.protocol import Mixer, OpCall, register
+from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import mesa_op_flops, mesa_op_train_flops, padding_factor
@@ -34,16 +34,20 @@ class Mesa(Mixer):
     """Mesa mixer. q, k, v projections; a short causal conv + SiLU on q and k (and on v with conv_v); q and k
     L2-normalised per head; beta = sigmoid(W_beta x + b) and gamma = sigmoid(W_gamma x + b) per head, with the
     gamma cap gamma * (1 - (1 - gamma_cap) * beta^2) against runs of repeated tokens; Lambda = lam_floor +
-    softplus(lam_raw) per head and key dim, initialised to 1; the Mesa op (lm.ops.mesa, CG with cg_steps in
-    training and cg_steps_eval in evaluation); a per-head RMSNorm, times silu(W_g x) with output_gate; the
-    output projection. conv_size 0, qk_norm false and output_norm false leave out the convs, the L2 normalisation
-    and the RMSNorm (with output_gate, the gate stays). `metrics()` reports the last call's solve (and, after a
-    backward, its adjoint solve), Lambda, gamma and beta.
+    softplus(lam_raw) per head and key dim, initialised to lam_init (1); the Mesa op (lm.ops.mesa, CG with cg_steps in
+    training and cg_steps_eval in evaluation); a per-head RMSNorm (its weight initialised to norm_init), times
+    silu(W_g x) with output_gate; the output projection. conv_size 0, qk_norm false and output_norm false leave out
+    the convs, the L2 normalisation and the RMSNorm (with output_gate, the gate stays). `metrics()` reports the last
+    call's solve (and, after a backward, its adjoint solve), Lambda, gamma and beta.
 
     gamma_init sets the gate biases, i.e. each head's memory 1 / (1 - gamma) at the start: "spread" (the default,
     chosen by `lm research mesa-ablation`, docs/mesa.md), log-spaced from 2 to 512 tokens across heads; "narrow", 20 to
     400 tokens (sigmoid(3) to sigmoid(6), xLSTM's forget-gate range, the default before); "zero", 2 tokens in every
     head (bias 0, as fla's MesaNet).
+
+    norm_init 0.125 (chosen by `lm research mesa-ablation`, docs/mesa.md; the paper does not say, and 1 is the usual
+    init) starts the RMSNorm's output, unit RMS per head at every position, at the scale a gated or unnormalised
+    mixer output has at init: with 1, Mesa's residual branch starts about 7x larger than Gated DeltaNet's.
 
     Key size K = head_dim, value size V = expand_v * head_dim per head.
 
@@ -68,11 +72,21 @@ class Mesa(Mixer):
         cg_steps_eval: int | None = None
         cg_tol: float | None = None
         lam_floor: float = 0.25
+        lam_init: float = 1.0
         gamma_cap: float | None = 0.9975
         output_gate: bool = False
         gamma_init: GammaInit = "spread"
+        norm_init: float = 0.125
         chunk_size: int = 64
         backend: str = "auto"
+
+    @classmethod
+    def check_options(cls, options: dict) -> "Mesa.Options":
+        o = super().check_options(options)
+        if not o.lam_init > o.lam_floor:  # Lambda = lam_floor + softplus(.) never reaches its floor
+            raise MixerOptionError(f"mixer 'mesa' option 'lam_init' must exceed lam_floor ({o.lam_floor}), "
+                                   f"got {o.lam_init}")
+        return o
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
@@ -100,10 +114,14 @@ class Mesa(Mixer):
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self):
-        """Lambda starts at 1 and beta at 0.5; gamma as gamma_init says. Once, from the constructor."""
+        """Lambda starts at lam_init and beta at 0.5, gamma as gamma_init says, the output RMSNorm's weight at
+        norm_init. Once, from the constructor."""
+        o = self.options
         with torch.no_grad():
-            self.lam_raw.fill_(math.log(math.expm1(1.0 - self.options.lam_floor)))
-            self.gamma_proj.bias.copy_(gamma_bias(self.options.gamma_init, self.n_heads))
+            self.lam_raw.fill_(math.log(math.expm1(o.lam_init - o.lam_floor)))
+            if o.output_norm:  # the RMSNorm sets every head's output to unit RMS; without it, no rescaling
+                self.norm.weight.fill_(o.norm_init)
+            self.gamma_proj.bias.copy_(gamma_bias(o.gamma_init, self.n_heads))
             self.beta_proj.bias.zero_()
 
     def lam(self) -> torch.Tensor:
