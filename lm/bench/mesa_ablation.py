@@ -75,7 +75,7 @@ def with_heads(model: dict, n_heads: int, params: float) -> dict:
     cfg = fit_mlp(replace(LMConfig(**model), n_heads=n_heads), param_count, params)
     if cfg is None:
         raise UserError(f"no MLP width matches {params:g} parameters with {n_heads} heads")
-    return {k: v for k, v in asdict(cfg).items() if k in model or k == "mlp_ratio"}
+    return {k: v for k, v in asdict(cfg).items() if k in model}
 
 
 def mesa_gate_bias_drift(state_dict: dict, n_heads: int, **options) -> float:
@@ -112,12 +112,14 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
     return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
 
 
-def seed_results(out: Path, variant: str, lr: float, seeds: list[int], seq_len: int) -> list[tuple[float, dict]]:
-    """(val ppl, position -> NLL) of each seed's `lm eval ppl` that has finished."""
+def seed_results(out: Path, variant: str, lr: float, seeds: list[int],
+                 seq_len: int) -> list[tuple[Path, float, dict]]:
+    """(run directory, val ppl, position -> NLL) of each seed whose `lm eval ppl` has finished."""
     from lm.eval.ppl import read_curve
 
-    evals = [out / "runs" / run_name(variant, lr, seed) / "eval" / f"ppl-validation-T{seq_len}" for seed in seeds]
-    return [(json.loads((e / "ppl.json").read_text())["ppl"], read_curve(e)) for e in evals
+    runs = [out / "runs" / run_name(variant, lr, seed) for seed in seeds]
+    evals = [(run, run / "eval" / f"ppl-validation-T{seq_len}") for run in runs]
+    return [(run, json.loads((e / "ppl.json").read_text())["ppl"], read_curve(e)) for run, e in evals
             if (e / "ppl.json").is_file()]
 
 
@@ -138,10 +140,8 @@ def ablation_table(out: Path, seq_len: int, variants: dict, seeds: list[int]) ->
             results = seed_results(out, variant, lr, seeds, seq_len)
             if not results:
                 continue
-            ppls, curve = [r[0] for r in results], mean_curve([r[1] for r in results])
+            first, ppls, curve = results[0][0], [r[1] for r in results], mean_curve([r[2] for r in results])
             curves[variant, lr] = curve
-            first = next(out / "runs" / run_name(variant, lr, seed) for seed in seeds
-                         if (out / "runs" / run_name(variant, lr, seed) / "config.yaml").is_file())
             config = yaml.safe_load((first / "config.yaml").read_text())
             drift = gate_drift(first, mixer, options, config["model"]["n_heads"])
             shown = {**options, **({"n_heads": n_heads} if n_heads else {})}
@@ -166,7 +166,7 @@ def plot_nll_by_position(curves: dict, path: Path) -> None:
     fallback = next(iter(references.values()), None)
     for i, ((variant, lr), curve) in enumerate(curves.items()):
         positions = sorted(curve)
-        style = {"label": f"{variant} {lr:g}", "color": pyplot().get_cmap("tab20")(i % 20),
+        style = {"label": f"{variant} {lr:g}", "color": plt.get_cmap("tab20")(i % 20),
                  "linestyle": "--" if variant.startswith("gated_deltanet") else "-"}
         raw.plot(positions, [curve[k] for k in positions], **style)
         reference = references.get(lr, fallback)

@@ -54,8 +54,7 @@ def grid_cells(mixers: list[str], widths: list[int], pairs: list[int], lrs: list
     """Every cell of the grid, in a fixed order (the SLURM array index is a position in this list)."""
     return [{"name": f"{m}_d{w}_n{n}_lr{lr:g}_s{seed}", "mixer": m,
              "options": at_length(m, (mixer_options or {}).get(m, options_for(m)), length), "width": w, "pairs": n,
-             "lr": lr,
-             "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch,
+             "lr": lr, "seed": seed, "vocab": vocab, "length": length, "steps": steps, "batch": batch,
              **(protocol or LM_PROTOCOL)}
             for m, w, n, lr, seed in itertools.product(mixers, widths, pairs, lrs, seeds)]
 
@@ -92,8 +91,8 @@ def build_model(cell: dict, task: MQARTask) -> LanguageModel:
 
 
 def held_out_accuracy(model: LanguageModel, task: MQARTask, batch: int, seed: int, queries: int,
-                      device: str) -> tuple[float, int]:
-    """(accuracy, queries scored) on fresh sequences of a generator seeded with `seed`, until `queries` are scored."""
+                      device: str) -> float:
+    """Accuracy on fresh sequences of a generator seeded with `seed`, in whole batches until `queries` are scored."""
     test, correct, total = torch.Generator().manual_seed(seed), 0, 0
     with torch.no_grad():
         while total < queries:
@@ -101,7 +100,7 @@ def held_out_accuracy(model: LanguageModel, task: MQARTask, batch: int, seed: in
             scored = targets != -100
             correct += (query_logits(model, inputs, scored).argmax(-1) == targets[scored]).sum().item()
             total += scored.sum().item()
-    return correct / total, total
+    return correct / total
 
 
 def query_logits(model: LanguageModel, inputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -141,12 +140,12 @@ def run_cell(cell: dict, path: str | None = None) -> dict:
         steps_run = step
         if cell["early_stop"] is not None and step % EARLY_STOP_EVERY == 0:
             model.eval()  # held-out sequences of their own seed, not the final scoring's
-            reached = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 20_000, 256, device)[0]
+            reached = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 20_000, 256, device)
             model.train()
             if reached >= cell["early_stop"]:
                 break
     model.eval()
-    accuracy, _ = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 10_000, 2048, device)
+    accuracy = held_out_accuracy(model, task, cell["batch"], cell["seed"] + 10_000, 2048, device)
     with torch.no_grad():
         model.cpu()
         state = state_floats_per_layer(model, task.length)
