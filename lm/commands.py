@@ -59,6 +59,8 @@ COMMANDS = {
                               "report.md, report.csv, PNG plots, report.html", "compare"),
     "compare demo": Command("lm.compare.demo:compare_demo", "the comparison on CPU (under 20 min): every mixer and "
                             "Hawk-Mesa, matched parameters, corpus + MQAR", "compare"),
+    "compare ladder": Command("lm.compare.ladder:ladder", "scaling curves per architecture: lr sweep, rungs x seeds "
+                              "(local or SLURM), fits with intervals", "compare"),
     "compare documents": Command("lm.compare.documents:compare_documents", "mixers with and without resets at "
                                  "document boundaries: val ppl, NLL by document position", "compare"),
     "slurm submit": Command("lm.slurm.submit:submit_from_args", "render an sbatch script for a run, a sweep "
@@ -91,7 +93,7 @@ COMMANDS = {
 # These parse their own argv (a run config; options followed by `--` and a command; a list of run directories).
 OWN_ARGV = {"train", "slurm submit", "compare report"}
 # These take their required argument by position: `lm slurm status RUN_DIR`.
-POSITIONAL = {"slurm status"}
+POSITIONAL = {"slurm status", "compare ladder"}
 
 HEADER = "usage: lm COMMAND [options]   (lm COMMAND --help: its options; lm GROUP: a group's commands)"
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lm.cli import main
 from lm.errors import UserError
@@ -420,3 +421,48 @@ def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
     assert len(list((out / "cells").glob("*.json"))) == 2
     assert len(mqar_grid(out=str(out), mixers=[mixer], quick=True, processes=1)) == 2  # collects, reruns none
     assert f'"job": "{job}"' in (out / "slurm" / "jobs.jsonl").read_text()
+
+
+def test_a_ladder_runs_as_arrays_and_survives_a_preempted_task(cluster, kjv_data, tmp_path):
+    """`lm compare ladder --where slurm`: the lr sweep as one array job, the rungs as another; the largest rung's task
+    is preempted (SIGUSR1) mid-run, requeued, resumes from its checkpoint, and the ladder reports."""
+    (tmp_path / "base.yaml").write_text(f"""
+seed: 0
+model: {{vocab_size: 512, max_seq_len: 32}}
+data: {{path: {kjv_data}, seq_len: 32, micro_batch: 4, global_batch: 4, num_workers: 0, val_windows: 4}}
+optim: {{lr: 3.0e-3, warmup_steps: 5}}
+trainer: {{val_every: 1000000, ckpt_every: 20, keep_last: 2, log_every: 5, progress_bar: false}}
+strategy: {{accelerator: cpu, devices: 1}}
+""")
+    (tmp_path / "ladder.yaml").write_text("""
+archs: [attention]
+rungs: [1.0e5, 1.5e5, 2.2e5]
+base: base.yaml
+tokens_per_param: 0.25
+lr: {grid: [3.0e-3], sweep_rungs: 2, against: params}
+""")
+    out = tmp_path / "out"
+    ladder = subprocess.Popen([sys.executable, "-m", "lm.cli", "compare", "ladder", str(tmp_path / "ladder.yaml"),
+                               "--out", str(out), "--where", "slurm", "--slurm", '["--mem=1G"]'], env=cluster,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    largest = out / "runs" / "attention-220k-lr0.003-seed0"  # one lr swept: the rule carries it up unchanged
+    try:
+        deadline = time.time() + 240
+        while newest_checkpoint(largest / "checkpoints", warn=False) is None:
+            assert ladder.poll() is None, ladder.communicate()[1][-3000:]
+            assert time.time() < deadline, f"no checkpoint in {largest} after 240 s"
+            time.sleep(0.1)
+        task = re.findall(r'"job": "(\d+_\d+)"', (largest / "slurm" / "jobs.jsonl").read_text())[-1]
+        subprocess.run(["scancel", "--signal=USR1", task], env=cluster, check=True)
+        stdout, stderr = ladder.communicate(timeout=300)
+    finally:
+        ladder.kill()
+    assert ladder.returncode == 0, stderr[-3000:]
+    assert "lr-sweep: 2 of 2 runs to train (slurm)" in stderr and "rungs: 1 of 3 runs to train (slurm)" in stderr
+    steps = yaml.safe_load((largest / "config.yaml").read_text())["trainer"]["max_steps"]
+    assert (largest / "checkpoints" / f"step={steps:08d}.ckpt").is_file()
+    restarts = logged(largest, "slurm/restart_count")
+    assert restarts[0] == (0, 0.0) and restarts[-1][1] == 1.0 and 0 < restarts[-1][0] < steps, restarts
+    report = (out / "report" / "ladder.md").read_text()
+    assert "| attention | 3 |" in report  # three rungs: too few for a fit with intervals, and it says so
+    assert "a fit of 3 parameters needs 3 values and 4 runs" in report

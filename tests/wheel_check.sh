@@ -6,7 +6,8 @@
 #   2. a fresh venv: torch as the Makefile installs it (TORCH=torch==X picks another), then the wheel with its needs
 #   3. from an empty directory: `import eval` (bench, data_prep, slurm, configs) fails while lm.* imports; `lm demo`
 #      on the shipped recipe shrunk to 2 small layers and 4 steps (prepare the bundled corpus, train, eval ppl,
-#      generate); `lm compare plan` names the paper's Hawk-Mesa with its layer pattern; lm-eval's own CLI and
+#      generate); `lm compare plan` names the paper's Hawk-Mesa with its layer pattern; `lm compare ladder` plans the
+#      shipped configs/ladder/cpu.yaml; lm-eval's own CLI and
 #      `lm eval harness` run lm's shipped offline task kjv_cloze on the demo's checkpoint
 #
 # Prints each step's time, removes its temporary folder (KEEP=1 keeps it), and exits non-zero naming the failed step.
@@ -176,6 +177,13 @@ run_plan() {
         || fail "lm compare plan's hawk_mesa configs lack layer_pattern: hawk,mesa"
 }
 
+run_ladder_plan() {
+    local out
+    out=$(as_user lm compare ladder configs/ladder/cpu.yaml --dry_run true 2>&1) \
+        || { echo "$out" | tail -20; fail "lm compare ladder configs/ladder/cpu.yaml (the shipped ladder) failed"; }
+    echo "$out" | grep -q "| gated_deltanet | 300k |" || { echo "$out"; fail "the shipped CPU ladder lacks its rungs"; }
+}
+
 run_lm_eval_cli() {
     local tasks results
     tasks=$(as_user python -c "from lm.resources import shipped; print(shipped('eval/tasks'))")
@@ -208,5 +216,6 @@ step "install wheel" install_wheel
 step "only lm importable" check_imports
 step "lm demo (tiny, 4 steps)" run_demo
 step "lm compare plan hawk_mesa" run_plan
+step "lm compare ladder (shipped CPU ladder, planned)" run_ladder_plan
 step "lm_eval CLI kjv_cloze" run_lm_eval_cli
 step "lm eval harness kjv_cloze" run_lm_eval_harness

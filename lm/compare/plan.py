@@ -200,6 +200,22 @@ def reference_shape(template: LMConfig, target: float, asked: str) -> LMConfig:
                     f"d_model; take another size or vocabulary")
 
 
+def model_template(run, archs: list[Arch], seq_len: int, vocab_size: int | None) -> LMConfig:
+    """The base config's model at seq_len (and vocab_size if given); options that scale with the length (SWA's
+    window) follow seq_len where the base sets none."""
+    given = run.model.mixer_options
+    at_seq_len = {m: at_length(m, given.get(m, {}), seq_len) for arch in archs for m in arch.mixers
+                  if MIXERS[m].length_options(seq_len)}
+    return replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len,
+                   mixer_options={**given, **at_seq_len})
+
+
+def matched_shapes(archs: list[Arch], reference: LMConfig, metric, goal: float) -> list[tuple[Arch, LMConfig, str]]:
+    """(arch, its config, the move that matched it) for each arch: attention is the reference itself."""
+    return [(arch, *((reference, "reference") if arch.mixers == ("attention",) else
+                     match_shape(arch, reference, metric, goal))) for arch in archs]
+
+
 def load_base(base: str | None) -> tuple[dict, "object"]:
     """The base config's raw YAML (its sections are copied) and its parsed, checked RunConfig."""
     from lm.training.config import parse_run_config
@@ -323,11 +339,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         raise UserError(f"--out {out} is a file, not a directory")
     raw, run = load_base(base)
     seq_len = seq_len or run.data.seq_len
-    given = run.model.mixer_options  # options that scale with the length (SWA's window) follow seq_len if unset
-    at_seq_len = {m: at_length(m, given.get(m, {}), seq_len) for arch in arch_list for m in arch.mixers
-                  if MIXERS[m].length_options(seq_len)}
-    template = replace(run.model, vocab_size=vocab_size or run.model.vocab_size, max_seq_len=seq_len,
-                       mixer_options={**given, **at_seq_len})
+    template = model_template(run, arch_list, seq_len, vocab_size)
     batch = sequences_per_step(run, global_batch)
     grid = lr_grid(lrs, arch_list, run.optim.lr)
     seeds = [0] if seeds is None else list(seeds)
@@ -355,9 +367,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
                                                          f"{TOKENS_PER_PARAM} tokens per target parameter for all."))
 
     rows = []
-    for arch in arch_list:
-        cfg, move = (reference, "reference") if arch.mixers == ("attention",) else \
-            match_shape(arch, reference, metric, goal)
+    for arch, cfg, move in matched_shapes(arch_list, reference, metric, goal):
         per_token = flops_of(cfg)
         tokens = round(budget / per_token) if budget else round(TOKENS_PER_PARAM * target)
         steps = round(tokens / tokens_per_step)

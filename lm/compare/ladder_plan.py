@@ -1,0 +1,178 @@
+"""What `lm compare ladder` plans: each architecture's rungs (shapes matched by `lm compare plan`, the steps each
+budget buys, the micro-batch the memory plan fits on a GPU), the runs of the lr sweep, and the tables it prints
+before anything runs: the rungs, and the planned GPU-hours."""
+
+from dataclasses import asdict, dataclass
+
+from lm.compare.ladder_config import LadderSpec
+from lm.compare.plan import count, matched_shapes, model_template, parse_archs, reference_shape, sci
+from lm.errors import UserError
+from lm.output import markdown_table
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One architecture at one size (and, iso-FLOP, one budget): its planned model and its steps."""
+
+    arch: str
+    target: float  # target parameters
+    budget: float | None  # total training FLOPs (iso-FLOP ladders)
+    model: dict
+    params: int
+    flops_per_token: float
+    steps: int
+    val_every: int  # divides steps, so the last step is validated
+    tokens: int  # steps x tokens per step
+    micro_batch: int | None = None  # with the ladder file's gpu section: what the memory plan fits on one GPU
+    activation_checkpointing: bool = False  # where no sequence fits without it
+
+    @property
+    def label(self) -> str:
+        size = f"{self.target / 1e6:.3g}M" if self.target >= 1e6 else f"{self.target / 1e3:.3g}k"
+        return size + (f"-C{sci(self.budget)}" if self.budget else "")
+
+    def size(self, against: str) -> float:
+        return self.model["d_model"] if against == "width" else self.params
+
+
+@dataclass(frozen=True)
+class Run:
+    rung: Rung
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.rung.arch}-{self.rung.label}-lr{self.lr:.3g}-seed{self.seed}"
+
+
+def rounded_lr(lr: float) -> float:
+    return float(f"{lr:.3g}")
+
+
+def aligned_steps(steps: int, val_every: int) -> tuple[int, int]:
+    """(steps, val_every) with val_every dividing steps, so that the last step is validated, and at least the base's
+    val_every: steps loses fewer than one step per validation interval."""
+    intervals = max(1, steps // val_every)
+    every = steps // intervals  # at least val_every
+    return every * intervals, every
+
+
+def memory_fit(spec: LadderSpec, cfg, seq_len: int, batch: int, name: str) -> tuple[int, bool]:
+    """(micro_batch, activation checkpointing) on one GPU of the ladder file's gpu_gib by the memory plan
+    (lm.accounting.memory): the largest power of two that fits and divides the global batch, without activation
+    checkpointing where one sequence fits without it."""
+    from lm.accounting.memory import largest_micro_batch
+
+    gib = spec.gpu.gpu_gib * 2**30
+    for checkpointing in (False, True):
+        fits = largest_micro_batch(cfg, seq_len, gib, activation_checkpointing=checkpointing)
+        if fits:
+            micro = 1 << (min(fits, batch).bit_length() - 1)
+            while batch % micro:
+                micro //= 2
+            return micro, checkpointing
+    raise UserError(f"{name} does not fit one GPU of {spec.gpu.gpu_gib:g} GiB even with activation checkpointing "
+                    f"(lm bench plan-memory)")
+
+
+def plan_rungs(spec: LadderSpec, run, batch: int) -> dict[str, list[Rung]]:
+    """Each architecture's rungs, smallest first (iso-FLOP: by budget, then size), at `batch` sequences per step."""
+    from lm.accounting.flops import param_count, train_flops_per_token
+
+    archs = parse_archs(list(spec.archs))
+    seq_len = run.data.seq_len
+    tokens_per_step = batch * seq_len
+    template = model_template(run, archs, seq_len, None)
+    flops_of = lambda cfg: train_flops_per_token(cfg, seq_len)  # noqa: E731
+    rungs = {arch.label: [] for arch in archs}
+    for target in spec.rungs:
+        reference = reference_shape(template, target, f"rung {target:g}")
+        metric, goal = (param_count, target) if spec.match == "params" else (flops_of, flops_of(reference))
+        for arch, cfg, _ in matched_shapes(archs, reference, metric, goal):
+            memory = memory_fit(spec, cfg, seq_len, batch, f"rung {target:g} of {arch.label}") if spec.gpu else ()
+            for budget in spec.budgets or [None]:
+                per_token = flops_of(cfg)
+                tokens = budget / per_token if budget else spec.tokens_per_param * target
+                if tokens < tokens_per_step:
+                    raise UserError(f"rung {target:g} of {arch.label} buys {tokens:,.0f} tokens, less than one step "
+                                    f"of {tokens_per_step:,}: raise the budget or lower the batch")
+                steps, val_every = aligned_steps(round(tokens / tokens_per_step), run.trainer.val_every)
+                rungs[arch.label].append(Rung(arch.label, target, budget, asdict(cfg), param_count(cfg), per_token,
+                                              steps, val_every, steps * tokens_per_step, *memory))
+    return {arch: sorted(rs, key=lambda r: (r.budget or 0, r.target)) for arch, rs in rungs.items()}
+
+
+def swept(spec: LadderSpec, rungs: list[Rung]) -> list[Rung]:
+    """The rungs the lr grid is swept on: the smallest sizes (iso-FLOP: at the smallest budget)."""
+    first_budget = rungs[0].budget
+    return [r for r in rungs if r.budget == first_budget and r.target in spec.rungs[:spec.lr.sweep_rungs]]
+
+
+def check_rule_can_fit(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> None:
+    """A slope to fit needs swept rungs of two sizes (width: two d_models): known from the plan, before a run."""
+    if spec.lr.slope is not None:
+        return
+    for arch, arch_rungs in rungs.items():
+        sizes = {rung.size(spec.lr.against) for rung in swept(spec, arch_rungs)}
+        if len(sizes) < 2 and len(arch_rungs) > len(swept(spec, arch_rungs)):
+            size = "d_model" if spec.lr.against == "width" else "size"
+            raise UserError(f"{spec.path}: {arch}'s swept rungs share one {size} ({', '.join(f'{s:g}' for s in sizes)})"
+                            f", so the lr rule's slope cannot be fitted: sweep more rungs, set lr.against: params, "
+                            f"or fix lr.slope")
+
+
+def sweep_runs(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> list[Run]:
+    return [Run(rung, lr, spec.seeds[0]) for arch in rungs for rung in swept(spec, rungs[arch])
+            for lr in spec.lr.grid]
+
+
+def plan_table(spec: LadderSpec, rungs: dict, sweep_runs: int) -> str:
+    """The rungs, and how many runs the ladder takes."""
+    header = ["arch", "rung", "d_model", "n_layers", "params", "train FLOPs/token", "tokens", "steps", "compute"]
+    rows = [[r.arch, r.label, r.model["d_model"], r.model["n_layers"], f"{r.params:,}", sci(r.flops_per_token),
+             count(r.tokens), r.steps, sci(r.flops_per_token * r.tokens)] for rs in rungs.values() for r in rs]
+    budget = (f"iso-FLOP at {', '.join(sci(b) for b in spec.budgets)} FLOPs" if spec.budgets else
+              f"{spec.tokens_per_param:g} tokens per target parameter")
+    reused = sum(len(swept(spec, rs)) for rs in rungs.values())  # each swept rung's best-lr run is a stage-2 run
+    runs = sweep_runs + sum(len(spec.seeds) * len(rs) for rs in rungs.values()) - reused
+    return (f"# lm compare ladder: {spec.path}\n\n{len(spec.rungs)} rungs x {len(spec.archs)} architectures, matched "
+            f"{spec.match}, {budget}; lr grid {list(spec.lr.grid)} on the {spec.lr.sweep_rungs} smallest rung(s) "
+            f"({sweep_runs} sweep runs), seeds {list(spec.seeds)}: {runs} runs.\n\n"
+            + markdown_table(header, rows) + "\n")
+
+
+def mfu_of(gpu, model: dict) -> float | None:
+    """The MFU measured for the model's mixer; a hybrid's is its slowest mixer's; None where one is unknown."""
+    mixers = model["layer_pattern"].split(",") if model.get("layer_pattern") else [model["mixer"]]
+    values = [gpu.mfu.get(m.strip(), gpu.default_mfu) for m in mixers]
+    return None if None in values else min(values)
+
+
+def gpu_hours_table(spec: LadderSpec, rungs: dict) -> str:
+    """Per rung and per architecture: tokens/s per GPU = MFU x peak / train FLOPs per token (a third more FLOPs
+    with activation checkpointing, which recomputes the forward pass), at the micro-batch the memory plan fits; the
+    hours of every run of the ladder (the sweep's lrs, and each seed of each rung)."""
+    gpu, rows, totals = spec.gpu, [], {}
+    for arch, arch_rungs in rungs.items():
+        mfu = mfu_of(gpu, arch_rungs[0].model)
+        sweep = {r.label for r in swept(spec, arch_rungs)}
+        totals[arch] = 0.0 if mfu is not None else None
+        for r in arch_rungs:
+            memory = [r.micro_batch, "yes" if r.activation_checkpointing else "no"]
+            if mfu is None:
+                rows.append([arch, r.label, *memory, "unknown", "", "", ""])
+                continue
+            tokens_per_s = mfu * gpu.peak_flops / (r.flops_per_token * (4 / 3 if r.activation_checkpointing else 1))
+            hours = r.tokens / tokens_per_s / 3600
+            runs = len(spec.seeds) + (len(spec.lr.grid) - 1 if r.label in sweep else 0)
+            totals[arch] += runs * hours
+            rows.append([arch, r.label, *memory, f"{mfu:.1%}", f"{tokens_per_s:,.0f}", f"{hours:,.1f}",
+                         f"{runs} -> {runs * hours:,.0f}"])
+    header = ["arch", "rung", f"micro_batch ({gpu.gpu_gib:g} GiB)", "activation ckpt", "MFU", "tokens/s per GPU",
+              "GPU-hours per run", "runs -> GPU-hours"]
+    known = {a: t for a, t in totals.items() if t is not None}
+    return ("## Planned GPU-hours\n\n" + markdown_table(header, rows) + "\nGPU-hours per architecture: "
+            + ", ".join(f"{a} {t:,.0f}" for a, t in known.items()) + f"; all: {sum(known.values()):,.0f}.\n\n")
+
+
