@@ -10,7 +10,7 @@ runs; configs/ladder/ has examples.
     budgets: null                              # ... or total FLOPs per run: every rung at every budget (iso-FLOP)
     lr: {grid: [2.0e-3, 4.0e-3, 8.0e-3], sweep_rungs: 2, against: width, slope: null}
     seeds: [0, 1]
-    probes: [[ppl, --positions, "[1, 16, 128]"]]   # lm eval commands run on each finished run's checkpoint
+    probes: [[ppl], [longctx, --probes, "[passkey]"]]   # lm eval commands run on each finished run's checkpoint
     target_compute: 1.0e21                     # where the fits predict (FLOPs)
     level: 0.9                                 # of the bootstrap intervals
     bootstrap: 1000                            # replicates
@@ -153,7 +153,7 @@ def load_ladder(path: str) -> LadderSpec:
     if not isinstance(probes, list) or not all(isinstance(p, list) and p and all(isinstance(a, str) for a in p)
                                                for p in probes):
         raise UserError(f"{file}: probes must be a list of lm eval commands, each a list of strings "
-                        f"([ppl, --positions, '[1, 16, 128]'])")
+                        f"([ppl, --max_windows, '64'])")
     spec = LadderSpec(
         path=file, archs=archs, rungs=rungs, base=str(base), lr=lr_sweep(raw["lr"], file, len(rungs)),
         match=raw.get("match", "params"),
