@@ -327,3 +327,22 @@ def test_crossover_verdicts_follow_the_share_of_replicates_that_cross():
     assert share == "0%" and lower.startswith("one")
     ((_, verdict, _, _),) = crossover_rows(fits(30.0, 1e14), spec, 1e9, 1e14)
     assert verdict == "the data cannot tell"
+
+
+def test_a_run_that_diverges_ends_as_diverged_with_an_infinite_loss(kjv_data, tmp_path, monkeypatch):
+    """A high lr of the sweep may diverge: `lm train` stops with Diverged, and the ladder marks the run as ended
+    (a rerun does not train it again) with an infinite final loss, rather than failing the whole ladder."""
+    from lm.compare.ladder import DIVERGED, final_loss, train_run
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "seed": 0,
+        "model": {"vocab_size": 512, "d_model": 32, "n_layers": 1, "n_heads": 2, "head_dim": 16, "max_seq_len": 32},
+        "data": {"path": kjv_data, "seq_len": 32, "micro_batch": 4, "num_workers": 0, "val_windows": 2},
+        "optim": {"warmup_steps": 1},
+        "trainer": {"max_steps": 10, "val_every": 10, "ckpt_every": 10, "stop_after_skips": 2,
+                    "progress_bar": False}}))
+    monkeypatch.setenv("LM_FAULTS", "nan_grad@2,nan_grad@3")
+    train_run(str(config))
+    assert "were not finite" in (tmp_path / "run" / DIVERGED).read_text()
+    assert final_loss(tmp_path / "run") == math.inf

@@ -1,7 +1,7 @@
 """`lm slurm` against a real one-node SLURM cluster (slurm/local_cluster.sh, which .ci/run starts): a 2-task CPU
 training job, the same job preempted with SIGUSR1 (checkpoint, requeue, resume, same final weights), an array of
-two runs, an evaluation job, and the launch guards. The rendered script for 4 nodes x 8 GPUs is checked line by
-line without a cluster."""
+two runs, an evaluation job, the launch guards, and `lm compare ladder` as array jobs with a preempted task. The
+rendered script for 4 nodes x 8 GPUs is checked line by line without a cluster."""
 
 import contextlib
 import csv

@@ -151,7 +151,8 @@ def train_run(config: str) -> dict:
 
 
 def mark_diverged(out: Path, runs: list[Run]) -> None:
-    """A SLURM task that diverged exits 1 and says so in its log: mark its run as ended."""
+    """A SLURM task that diverged exits 1 and says so in its log (lm.errors.Diverged's message from
+    lm/training/train.py): mark its run as ended."""
     for run in runs:
         logs = sorted((run_dir(out, run) / "slurm").glob("job-*.err"))
         if any("were not finite (each was skipped)" in log.read_text() for log in logs):
@@ -227,6 +228,7 @@ def check_probes(spec: LadderSpec) -> None:
 
 
 def run_probes(spec: LadderSpec, runs: list[Run], out: Path, workers: int) -> None:
+    """Each probe on each run that did not diverge, into RUN/eval/COMMAND-ladderI, skipping those already done."""
     jobs = {}
     for run in runs:
         if (run_dir(out, run) / DIVERGED).is_file():
@@ -257,7 +259,7 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
     """Architectures compared by fitted scaling curves: the ladder file's runs, its lr rule, fits and report.
 
     Args:
-        file: The ladder file (configs/ladder/cpu.yaml: 3 architectures on CPU in about half an hour).
+        file: The ladder file (configs/ladder/cpu.yaml: 3 architectures on 2 CPU cores in about 35 minutes).
         out: Where configs/, runs/, logs/, slurm/, ladder.json and report/ go; a rerun skips what is done.
         where: local: worker processes here; slurm: one array job per stage (lm slurm submit --array).
         workers: Local jobs at once (each with cpu_count / workers threads).
