@@ -170,7 +170,7 @@ def test_planned_gpu_hours_follow_mfu_peak_and_the_memory_plan(kjv_data, tmp_pat
         total = 0.0
         for rung in rungs[arch]:
             row = rows[arch, rung.label]
-            tokens_per_s = mfu * 1e5 / rung.flops_per_token
+            tokens_per_s = mfu * 1e5 / train_flops_per_token(LMConfig(**rung.model), SEQ_LEN)
             runs = 2 + (1 if rung.label == "100k" else 0)  # 2 seeds, and the sweep's other lr at the swept rung
             assert float(row[5].replace(",", "")) == pytest.approx(tokens_per_s, abs=0.5)
             assert float(row[6].replace(",", "")) == pytest.approx(rung.tokens / tokens_per_s / 3600, abs=0.05)

@@ -198,31 +198,35 @@ def execute(runs: list[Run], out: Path, stage: str, where: str, workers: int, sl
     return True
 
 
+def probe_arguments(command: list[str], checkpoint: str, out: str):
+    """(the `lm eval` function, its parsed arguments) of a probe on one checkpoint."""
+    from lm.commands import function_parser, load_command
+
+    fn = load_command(f"eval {command[0]}")
+    namespace = function_parser(fn, f"lm eval {command[0]}").parse_args([*command[1:], "--checkpoint", checkpoint,
+                                                                          "--out", out])
+    namespace.pop("config", None)
+    return fn, namespace.as_dict()
+
+
 def probe_run(command: list[str], checkpoint: str, out: str, marker: str) -> dict:
     """One probe: `lm eval COMMAND --checkpoint RUN --out OUT`, then its marker, so a rerun skips it."""
     start = time.perf_counter()
-    from lm.commands import function_parser, load_command
-
-    name = f"eval {command[0]}"
-    parser = function_parser(load_command(name), f"lm {name}")
-    namespace = parser.parse_args([*command[1:], "--checkpoint", checkpoint, "--out", out])
-    namespace.pop("config", None)
-    load_command(name)(**namespace.as_dict())
+    fn, arguments = probe_arguments(command, checkpoint, out)
+    fn(**arguments)
     Path(marker).write_text("done\n")
     return {"seconds": time.perf_counter() - start}
 
 
 def check_probes(spec: LadderSpec) -> None:
     """Each probe names an `lm eval` command that takes --checkpoint and --out, with options it knows."""
-    from lm.commands import COMMANDS, function_parser, load_command
+    from lm.commands import COMMANDS
 
     for command in spec.probes:
-        name = f"eval {command[0]}"
-        if name not in COMMANDS:
+        if f"eval {command[0]}" not in COMMANDS:
             raise UserError(f"{spec.path}: probe {command[0]!r} is no lm eval command")
-        parser = function_parser(load_command(name), f"lm {name}")
         try:
-            parser.parse_args([*command[1:], "--checkpoint", "RUN", "--out", "OUT"])
+            probe_arguments(list(command), "RUN", "OUT")
         except Exception as err:
             raise UserError(f"{spec.path}: probe {' '.join(command)}: {' '.join(str(err).split())}") from None
 

@@ -91,8 +91,8 @@ def plan_rungs(spec: LadderSpec, run, batch: int) -> dict[str, list[Rung]]:
         metric, goal = (param_count, target) if spec.match == "params" else (flops_of, flops_of(reference))
         for arch, cfg, _ in matched_shapes(archs, reference, metric, goal):
             memory = memory_fit(spec, cfg, seq_len, batch, f"rung {target:g} of {arch.label}") if spec.gpu else ()
+            per_token = flops_of(cfg)
             for budget in spec.budgets or [None]:
-                per_token = flops_of(cfg)
                 tokens = budget / per_token if budget else spec.tokens_per_param * target
                 if tokens < tokens_per_step:
                     raise UserError(f"rung {target:g} of {arch.label} buys {tokens:,.0f} tokens, less than one step "
@@ -114,8 +114,9 @@ def check_rule_can_fit(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> None:
     if spec.lr.slope is not None:
         return
     for arch, arch_rungs in rungs.items():
-        sizes = {rung.size(spec.lr.against) for rung in swept(spec, arch_rungs)}
-        if len(sizes) < 2 and len(arch_rungs) > len(swept(spec, arch_rungs)):
+        sweep = swept(spec, arch_rungs)
+        sizes = {rung.size(spec.lr.against) for rung in sweep}
+        if len(sizes) < 2 and len(arch_rungs) > len(sweep):  # a rung left to carry the lr up to
             size = "d_model" if spec.lr.against == "width" else "size"
             raise UserError(f"{spec.path}: {arch}'s swept rungs share one {size} ({', '.join(f'{s:g}' for s in sizes)})"
                             f", so the lr rule's slope cannot be fitted: sweep more rungs, set lr.against: params, "
@@ -144,8 +145,9 @@ def plan_table(spec: LadderSpec, rungs: dict, sweep_runs: int) -> str:
 
 def mfu_of(gpu, model: dict) -> float | None:
     """The MFU measured for the model's mixer; a hybrid's is its slowest mixer's; None where one is unknown."""
-    mixers = model["layer_pattern"].split(",") if model.get("layer_pattern") else [model["mixer"]]
-    values = [gpu.mfu.get(m.strip(), gpu.default_mfu) for m in mixers]
+    from lm.model import LMConfig
+
+    values = [gpu.mfu.get(m, gpu.default_mfu) for m in set(LMConfig(**model).layer_mixers())]
     return None if None in values else min(values)
 
 
