@@ -38,6 +38,9 @@ CASES = {
     "prepare-val-fraction-above-one": (["prepare", "--val_fraction", "1.5", "--out", "prepared"], "val_fraction"),
     "prepare-out-is-a-file": (["prepare", "--out", "file.txt"], "not a directory"),
     "prepare-unknown-key": (["prepare", "--vocab_sise", "64"], "unknown config key 'vocab_sise'"),
+    "prepare-task-out-of-range": (["prepare", "--tasks", "2", "--task", "2", "--out", "prepared"], "out of range"),
+    "prepare-merge-without-a-plan": (["prepare", "--tasks", "2", "--merge", "true", "--out", "data"], "no plan"),
+    "prepare-missing-recipe": (["prepare", "--recipe", "nowhere.yaml", "--out", "prepared"], "nowhere.yaml"),
     # lm train
     "train-negative-lr": ([*TRAIN, "--optim.lr", "-1"], "optim.lr"),
     "train-beta-above-one": ([*TRAIN, "--optim.betas", "[0.9, 1.5]"], "optim.betas"),
@@ -148,6 +151,7 @@ CASES = {
     "slurm-submit-missing-sweep": ([*SUBMIT, "--array", "nowhere.yaml"], "nowhere.yaml"),
     "slurm-submit-zero-tasks": ([*SUBMIT, "--kind", "eval", "--tasks", "0", "--", "mqar-grid", "--out", "grid"],
                                 "--tasks"),
+    "slurm-submit-prepare-without-tasks": ([*SUBMIT, "--kind", "prepare", "--", "--out", "prepared"], "--tasks N"),
     "slurm-submit-unknown-option": ([*SUBMIT, "--nodez", "2", *TRAIN_ARGS], "unknown config key 'nodez'"),
     "slurm-status-missing-run": (["slurm", "status", "nowhere"], "nowhere"),
     "slurm-status-run-without-jobs": (["slurm", "status", "run"], "no SLURM jobs"),

@@ -9,14 +9,23 @@ from lm.data_prep.shards import load_manifest
 
 def test_bench_data_figures(kjv_data, tmp_path):
     result = bench_data(data=kjv_data, seq_len=32, micro_batch=2, batches=20, d_model=32, n_layers=1, n_heads=2,
-                        head_dim=16, train_steps=1, repeats=1, json_out=str(tmp_path / "data.json"))
+                        head_dim=16, train_steps=1, repeats=1, prepare_workers=[1, 2], prepare_batch_docs=300,
+                        json_out=str(tmp_path / "data.json"))
     manifest = load_manifest(kjv_data)
     splits = manifest["splits"].values()
     # Every document, each with its separator token in the shards: the bench tokenized exactly the prepared text.
     assert result["documents"] == sum(s["documents"] for s in splits)
     assert result["tokens"] + result["documents"] == sum(s["tokens"] for s in splits)
     assert math.isclose(result["loader_over_train"], result["loader_tokens_per_s"] / result["train_tokens_per_s"])
+    assert math.isclose(result["mixture_loader_over_train"],
+                        result["mixture_loader_tokens_per_s"] / result["train_tokens_per_s"])
     assert math.isclose(result["data_prep_over_encode_batch"],
                         result["data_prep_tokens_per_s"] / result["encode_batch_tokens_per_s"])
     assert min(result["whole_prepare_tokens_per_s"], result["loader_tokens_per_s"]) > 0
     assert result["first_prepare_s"] is None  # given a prepared directory, nothing was prepared first
+    workers = result["prepare_workers"]
+    assert list(workers["runs"]) == ["1", "2", "1 (one thread)"] and workers["runs"]["1"]["speedup"] == 1
+    assert workers["runs"]["1 (one thread)"]["over_one_thread"] == 1
+    two = workers["runs"]["2"]
+    assert math.isclose(two["speedup"], workers["runs"]["1"]["seconds"] / two["seconds"])
+    assert math.isclose(two["tokens_per_s_per_core"] * workers["cores"], two["tokens_per_s"])

@@ -21,8 +21,9 @@ def model_of(path: Path) -> LMConfig:
 
 
 # bench/ and compare/ hold a command's settings (`--config` of `lm bench ...` or `lm compare ...`), not run configs;
-# so do ladder/'s ladder files (tests/test_ladder.py loads them), whose *_base.yaml are run configs.
-RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "compare")
+# so do ladder/'s ladder files (tests/test_ladder.py loads them), whose *_base.yaml are run configs, and data/'s
+# recipes (`lm prepare --recipe`; tests/test_prepare_parallel.py loads them).
+RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "compare", "data")
                      and (p.parent.name != "ladder" or p.stem.endswith("_base")))
 
 

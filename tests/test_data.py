@@ -16,7 +16,6 @@ from lm.training.data import (
     TrainWindows,
     ValidationWindows,
     count_windows,
-    window_at,
 )
 
 SEQ = 64
@@ -88,8 +87,9 @@ def test_resume_and_world_size_change_keep_the_global_order(indexed):
 
 def test_next_epoch_uses_a_new_permutation(indexed):
     n = count_windows(indexed.total, SEQ)
-    epoch0 = [window_at(p, n, 7) for p in range(n)]
-    epoch1 = [window_at(p, n, 7) for p in range(n, 2 * n)]
+    windows = TrainWindows(indexed, SEQ, micro_batch=1, seed=7, start=0)
+    epoch0 = [windows.window(p)[1] for p in range(n)]
+    epoch1 = [windows.window(p)[1] for p in range(n, 2 * n)]
     assert sorted(epoch1) == list(range(n)) and epoch1 != epoch0
 
 

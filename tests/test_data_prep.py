@@ -228,7 +228,7 @@ def test_reuse_refuse_and_overwrite(tmp_path):
 
 
 def test_older_version_of_the_same_inputs_is_rebuilt_without_overwrite(tmp_path, monkeypatch, capsys):
-    module = importlib.import_module("lm.data_prep.prepare")  # lm.data_prep.prepare is also the function's name
+    module = importlib.import_module("lm.data_prep.dataset")
     a, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "out"
     monkeypatch.setattr(module, "VERSION", 1)  # as an lm prepare from before validation tails wrote it
     old = run([a], out)

@@ -466,3 +466,68 @@ lr: {grid: [3.0e-3], sweep_rungs: 2, against: params}
     report = (out / "report" / "ladder.md").read_text()
     assert "| attention | 3 |" in report  # three rungs: too few for a fit with intervals, and it says so
     assert "a fit of 3 parameters needs 3 values and 4 runs" in report
+
+
+# lm prepare as an array: the plan at submission, a part per task, a merge job after them (afterok).
+
+def prepare_corpus(tmp: Path) -> Path:
+    """Three files of the bundled corpus's first chapters."""
+    import gzip
+
+    from lm.data_prep import BUNDLED_CORPUS
+
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        lines = [next(f) for _ in range(240)]
+    for i in range(3):
+        (tmp / "corpus").mkdir(exist_ok=True)
+        (tmp / "corpus" / f"{i}.jsonl").write_text("".join(lines[i * 80:(i + 1) * 80]))
+    return tmp / "corpus"
+
+
+PREPARE = ["--vocab_size", "300", "--shard_tokens", "40000", "--progress", "false"]
+
+
+def test_a_prepare_array_renders_its_parts_and_a_merge(tmp_path, capsys):
+    out = tmp_path / "data"
+    command = ["--inputs", f"[{tmp_path}]", "--out", str(out), *PREPARE]
+    submit_from_args(["--dry-run", "--kind", "prepare", "--tasks", "3", "--", *command])
+    array, merge = capsys.readouterr().out.split("#!/bin/bash\n")[1:]
+    array, merge = array.splitlines(), merge.splitlines()
+    assert "#SBATCH --array=0-2" in array and "#SBATCH --no-requeue" in array
+    assert f"#SBATCH --output={out}/slurm/array-%A_%a.out" in array
+    assert f"ARGS=(prepare --inputs '[{tmp_path}]' --out {out} {' '.join(PREPARE)} --tasks 3)" in array
+    assert 'ARGS+=(--task "$SLURM_ARRAY_TASK_ID")' in array
+    assert not [line for line in merge if "--array" in line or "ARGS+=" in line]
+    assert f"ARGS=(prepare --inputs '[{tmp_path}]' --out {out} {' '.join(PREPARE)} --tasks 3 --merge true)" in merge
+    assert "#SBATCH --no-requeue" in merge and f"#SBATCH --output={out}/slurm/job-%j.out" in merge
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kind", "prepare", "--", "--out", "x"], "--kind prepare needs --tasks N"),
+    (["--kind", "prepare", "--tasks", "2", "--", "--out", "x", "--task", "1"], "drop --task from the lm prepare"),
+    (["--kind", "prepare", "--tasks", "2", "--", "--vocab_sise", "1"], "unknown config key 'vocab_sise'"),
+])
+def test_prepare_arrays_are_checked(args, message):
+    with pytest.raises(UserError, match=message):
+        submit_from_args(["--dry-run", *args])
+
+
+def test_a_prepare_array_and_its_merge_write_the_bytes_of_one_process(cluster, tmp_path):
+    from lm.data_prep import prepare
+    from lm.data_prep.shards import sha256_file
+
+    corpus = prepare_corpus(tmp_path)
+    digests = lambda d: {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file()}  # noqa: E731
+    prepare([str(corpus)], str(tmp_path / "one"), vocab_size=300, shard_tokens=40000, progress=False)
+    out = tmp_path / "data"
+    printed = lm_here(cluster, "slurm", "submit", "--kind", "prepare", "--tasks", "2", "--mem", "1G", "--",
+                      "--inputs", f"[{corpus}]", "--out", str(out), *PREPARE).split()
+    array, merge = printed[-2:]
+    assert job_info(cluster, merge)["Dependency"].startswith(f"afterok:{array}_*")  # the array ends in well over 0.1 s
+    for job, log in ((f"{array}_0", f"array-{array}_0"), (f"{array}_1", f"array-{array}_1"), (merge, f"job-{merge}")):
+        info = wait_until_ended(cluster, job, timeout=120)
+        assert info["JobState"] == "COMPLETED", (out / "slurm" / f"{log}.err").read_text()[-3000:]
+    assert digests(out) == digests(tmp_path / "one")
+    assert [p.name for p in (out / ".parts").iterdir()] == ["plan.json"]
+    assert f'"job": "{merge}", "kind": "merge"' in (out / "slurm" / "jobs.jsonl").read_text()

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ["configs/demo.yaml", "configs/hawk_mesa/145m.yaml", "eval/suites/standard.yaml",
           "eval/tasks/based_recall/utils.py", "eval/tasks/kjv_cloze/kjv_cloze.yaml",
           "eval/tasks/kjv_cloze/kjv_cloze.jsonl", "eval/tasks/kjv_cloze/utils.py", "slurm/templates/job.sbatch.j2",
-          "slurm/site.example.yaml", "data_prep/corpus/kjv.jsonl.gz"]
+          "slurm/site.example.yaml", "data_prep/corpus/kjv.jsonl.gz", "configs/data/slimpajama.yaml",
+          "configs/ladder/cpu.yaml"]
 
 
 @pytest.fixture(scope="module")

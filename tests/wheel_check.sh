@@ -104,7 +104,8 @@ needed = ["lm/__init__.py", "lm/cli.py", "lm/eval/harness.py", "lm/bench/__init_
           "lm/slurm/submit.py", "lm/_shipped/configs/demo.yaml", "lm/_shipped/configs/hawk_mesa/145m.yaml",
           "lm/_shipped/eval/suites/standard.yaml", "lm/_shipped/eval/tasks/kjv_cloze/kjv_cloze.yaml",
           "lm/_shipped/eval/tasks/kjv_cloze/kjv_cloze.jsonl", "lm/_shipped/eval/tasks/based_recall/utils.py",
-          "lm/_shipped/slurm/site.example.yaml", "lm/_shipped/data_prep/corpus/kjv.jsonl.gz"]
+          "lm/_shipped/slurm/site.example.yaml", "lm/_shipped/data_prep/corpus/kjv.jsonl.gz",
+          "lm/_shipped/configs/data/slimpajama.yaml"]
 problems += [f"missing {n}" for n in needed if n not in names]
 if not any(n.startswith("lm/_shipped/slurm/templates/") and ".sbatch" in n for n in names):
     problems.append("missing the sbatch template under lm/_shipped/slurm/templates/")

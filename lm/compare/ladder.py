@@ -115,7 +115,8 @@ def write_config(out: Path, run: Run, raw: dict, base, batch: int, data: str | N
     if run.rung.micro_batch is not None:
         config["data"]["micro_batch"] = run.rung.micro_batch
         config["trainer"]["activation_checkpointing"] = run.rung.activation_checkpointing
-    if data is not None:
+    if data is not None:  # the ladder's data replaces the base's (a path, or a mixture's sources)
+        config["data"].pop("sources", None)
         config["data"]["path"] = data
     path = config_path(out, run)
     path.parent.mkdir(parents=True, exist_ok=True)

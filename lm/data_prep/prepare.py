@@ -1,52 +1,44 @@
-"""prepare(): documents -> tokenizer -> train/validation shards + manifest.json, reused when nothing changed."""
+"""prepare(): documents -> tokenizer -> train/validation shards + manifest.json, reused when nothing changed.
 
-import hashlib
-import json
-import sys
+The documents are tokenized in this process or in worker processes (--workers, parallel.py), or by the tasks of a
+SLURM array whose parts a merge writes out (--tasks, parts.py); a recipe (--recipe, recipe.py) routes each document to
+the dataset of its source in the same pass. Whichever way, a dataset's bytes are those of one plain process."""
+
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from lm.errors import UserError
-from lm.output import write_json
 from lm.resources import shipped
 
-from .shards import (
-    DTYPES,
-    FORMAT,
-    MANIFEST,
-    TAIL,
-    load_manifest,
-    remove_outputs,
-    sha256_file,
-    token_dtype,
-    write_splits,
+from . import parts
+from .dataset import (
+    Output,
+    Target,
+    begin,
+    files_and_sizes,
+    fill,
+    log,
+    make_target,
+    reusable,
+    settings,
+    source_identity,
+    summary,
 )
-from .sources import Document, Source, make_source
-from .tokenizer import (
-    check_vocab_size,
-    load_tokenizer,
-    save_tokenizer,
-    separator,
-    tokenizer_key,
-    train_bpe,
-    vocab_size_of,
-)
+from .parallel import tokenized
+from .recipe import Recipe, load_recipe, write_mixture
+from .sample import Sample, sample_documents
+from .shards import remove_outputs, sha256_file, token_dtype
+from .sources import Record, Source, make_source
+from .tokenizer import check_vocab_size, load_tokenizer, tokenizer_key, train_bpe
 
 BUNDLED_CORPUS = shipped("data_prep/corpus/kjv.jsonl.gz")
-VERSION = 2  # bump when the same inputs and settings would produce different shards (2: validation from a tail)
-
-
-def log(message: str) -> None:
-    """One line for the user on stderr (stdout stays clean for scripts)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def check_settings(tokenizer: str | None, vocab_size: int, val_fraction: float, shard_tokens: int,
-                   batch_docs: int) -> None:
+                   batch_docs: int, workers: int) -> None:
     """Reject impossible settings before reading anything."""
     if tokenizer is None:
         check_vocab_size(vocab_size)
@@ -54,81 +46,181 @@ def check_settings(tokenizer: str | None, vocab_size: int, val_fraction: float, 
         raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     if shard_tokens < 1 or batch_docs < 1:
         raise UserError(f"shard_tokens and batch_docs must be positive, got {shard_tokens} and {batch_docs}")
+    if workers < 1:
+        raise UserError(f"workers must be at least 1, got {workers}")
 
 
-def source_identity(source: Source) -> list:
-    """Each file's path, size and content hash, or the dataset spec (plus the hashes of local data_files)."""
-    if not source.dataset:
-        return [[str(p), p.stat().st_size, sha256_file(p)] for p in source.files]
-    local = [Path(f) for f in source.data_files or () if Path(f).is_file()]  # edits to local data must count
-    return [source.dataset, source.dataset_config, source.split, list(source.data_files or ()),
-            [[str(p.resolve()), sha256_file(p)] for p in local]]
+def check_tasks(tasks: int | None, task: int | None, merge: bool, dataset: str | None) -> None:
+    """--task and --merge belong to a plan of --tasks N, and a task index to its range."""
+    if tasks is None:
+        if task is not None or merge:
+            raise UserError("--task and --merge are steps of a plan: give --tasks N too")
+        return
+    if tasks < 1:
+        raise UserError(f"--tasks must be at least 1, got {tasks}")
+    if task is not None and merge:
+        raise UserError("give --task I (one part) or --merge true (the shards from the parts), not both")
+    if task is not None and not 0 <= task < tasks:
+        raise UserError(f"--task {task} is out of range: a plan of {tasks} tasks has tasks 0 to {tasks - 1}")
+    if dataset:
+        raise UserError("--tasks shares out input files; a datasets dataset has none (give its files as inputs)")
 
 
-def settings(source: Source, tok_key: str, val_fraction: float, seed: int, shard_tokens: int) -> dict:
-    """Everything besides the code's VERSION that determines the output bytes (hashes every input file once)."""
-    return {"sources": source_identity(source), "tokenizer": tok_key, "val_fraction": val_fraction, "seed": seed,
-            "shard_tokens": shard_tokens, "text_field": source.text_field}
+@dataclass(frozen=True)
+class Job:
+    """What one call of prepare() does, checked: the documents, where they go and the settings of their bytes."""
+
+    source: Source
+    out: Path
+    recipe: Recipe | None
+    tokenizer: str | None
+    vocab_size: int
+    sample: Sample
+    val_fraction: float
+    seed: int
+    shard_tokens: int
+    batch_docs: int
+    workers: int
+    progress: bool
+
+    def given(self, identity=source_identity) -> dict:
+        """The settings that determine the bytes (dataset.settings), the files named by `identity`."""
+        key = tokenizer_key(self.tokenizer, self.vocab_size, self.sample.key() if self.sample.active else None)
+        return settings(self.source, key, self.val_fraction, self.seed, self.shard_tokens, identity)
+
+    def targets(self) -> dict[str | None, Target]:
+        """The directories to prepare, by the value of the recipe's field that selects their documents (None: all)."""
+        given = self.given()  # hashes every input file
+        if self.recipe is None:
+            return {None: make_target(self.out, given)}
+        return {s.value: make_target(self.out / s.name, given, self.recipe.field, s.value) for s in self.recipe.sources}
+
+    def plan_check(self, tasks: int) -> dict:
+        """What a task or the merge must share with the plan: settings, files by path and size, targets, tasks."""
+        places = ([[str(self.out.resolve()), None, None]] if self.recipe is None else
+                  [[str((self.out / s.name).resolve()), self.recipe.field, s.value] for s in self.recipe.sources])
+        return {"settings": self.given(files_and_sizes), "targets": places, "tasks": tasks}
+
+    def selected(self, records: Iterable[Record], groups, total: int | None = None) -> Iterator[Record]:
+        """The records of the targets' groups (all, without a recipe); the others are counted and left out."""
+        skipped = {}
+        for record in tqdm(records, desc="tokenizing", unit="doc", total=total, disable=not self.progress):
+            if record[2] in groups:
+                yield record
+            else:
+                skipped[record[2]] = skipped.get(record[2], 0) + 1
+        if skipped:
+            log(f"left out {sum(skipped.values()):,} documents whose {self.recipe.field} is in no source of the "
+                f"recipe: " + ", ".join(f"{value} ({n:,})" for value, n in sorted(skipped.items())))
 
 
-def fingerprint(settings: dict, version: int = VERSION) -> str:
-    """sha256 over everything that determines the output bytes, as `version` of lm prepare writes them."""
-    return hashlib.sha256(json.dumps({**settings, "version": f"{FORMAT}/{version}"}, sort_keys=True).encode()
-                          ).hexdigest()
+def get_tokenizer(job: Job):
+    """Load the named tokenizer, or train a BPE with one pass over the documents (or over the sample); also return
+    the number of documents when that pass read them all."""
+    if job.tokenizer is not None:
+        return load_tokenizer(job.tokenizer), None
+    docs = sample_documents(job.source, job.sample) if job.sample.active else job.source.documents()
+    seen = tqdm(docs, desc="reading for BPE", unit="doc", disable=not job.progress)
+    tok = train_bpe((text for text, _ in seen), job.vocab_size, job.progress)
+    return tok, seen.n if job.progress and not job.sample.active else None  # a disabled bar does not count
 
 
-def reusable(out: Path, fps: list[str], overwrite: bool) -> dict | None:
-    """The existing manifest when `out` already holds this exact, intact dataset (fps[0]); never clobber another
-    one, but rebuild what an older lm prepare made of the same inputs (fps[1:])."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"output path is not a directory: {out}")
-    path = out / MANIFEST
-    if not path.exists():
+def reused(targets: dict[str | None, Target], overwrite: bool) -> dict | None:
+    """The targets' manifests by group when every one already holds its dataset, intact; else None. Raises before
+    anything is written when one holds another dataset (unless overwrite)."""
+    manifests = {group: reusable(t.directory, t.fingerprints, overwrite) for group, t in targets.items()}
+    if any(m is None for m in manifests.values()):
         return None
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        old = None
-    if isinstance(old, dict) and old.get("fingerprint") in fps[1:]:
-        log(f"rebuilding {out}: an older lm prepare wrote it, and its train/validation split may differ")
-        return None
-    if not isinstance(old, dict) or old.get("fingerprint") != fps[0]:
-        if overwrite:
-            return None
-        raise UserError(f"{out} already holds a different dataset (its {MANIFEST} has another fingerprint): "
-                        "choose another --out or pass --overwrite true")
-    try:
-        return load_manifest(out, verify=True)
-    except UserError as e:  # same dataset, damaged: rebuilding gives the same bytes back
-        log(f"rebuilding {out}: {e}")
-        return None
+    for group, manifest in manifests.items():
+        log(f"reusing {targets[group].directory}: {summary(manifest)}")
+    return manifests
 
 
-def batched(items: Iterable, n: int) -> Iterator[list]:
-    """Lists of up to n items."""
-    it = iter(items)
-    while batch := list(islice(it, n)):
-        yield batch
+def result(job: Job, manifests: dict) -> dict:
+    """The manifest; for a recipe, the mixture, written to OUT/mixture.yaml once every source has documents."""
+    if job.recipe is None:
+        return manifests[None]
+    empty = [f"{s.name} ({s.value})" for s in job.recipe.sources
+             if not sum(e["documents"] for e in manifests[s.value]["splits"].values())]
+    if empty:
+        raise UserError(f"no documents whose {job.recipe.field} is that of source {', '.join(empty)}: drop it from the "
+                        f"recipe or add its files; {job.out}/mixture.yaml not written")
+    return write_mixture(job.out, job.recipe)
 
 
-def encode(docs: Iterable[Document], tok, sep_id: int, dtype: str, batch_docs: int, stats: dict) -> Iterator:
-    """[sep, *ids] per document as an array; batches go through the tokenizer's Rust thread pool."""
-    for batch in batched(docs, batch_docs):
-        stats["replaced"] += sum(n for _, n in batch)
-        for enc in tok.encode_batch_fast([text for text, _ in batch], add_special_tokens=False):
-            ids = np.empty(len(enc.ids) + 1, dtype=DTYPES[dtype])
-            ids[0] = sep_id
-            ids[1:] = enc.ids
-            yield ids
+def outputs(job: Job, targets: dict[str | None, Target], tokenizer: dict, dtype: str) -> dict[str | None, Output]:
+    return {group: Output(target, tokenizer, dtype, job.shard_tokens, job.seed, job.val_fraction,
+                          job.source.describe()) for group, target in targets.items()}
 
 
-def get_tokenizer(tokenizer: str | None, source: Source, vocab_size: int, progress: bool):
-    """Load the named tokenizer, or train a BPE with one pass over the documents; also return that pass's count."""
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer), None
-    seen = tqdm(source.documents(), desc="reading for BPE", unit="doc", disable=not progress)
-    tok = train_bpe((text for text, _ in seen), vocab_size, progress)
-    return tok, seen.n if progress else None  # a disabled bar does not count
+def run(job: Job, overwrite: bool, tasks: int | None) -> dict:
+    """Everything in this process (with its workers): the manifest (a recipe: the mixture); with `tasks`, only the
+    tokenizer and the plan of a SLURM array."""
+    targets = job.targets()
+    if manifests := reused(targets, overwrite):
+        return result(job, manifests)
+    if next(job.source.documents(), None) is None:  # fail before touching out
+        raise UserError(f"empty corpus: no non-blank documents in {', '.join(job.source.describe())}")
+    tok, n_docs = get_tokenizer(job)
+    saved = [begin(t.directory, tok) for t in targets.values()]  # one tokenizer, saved into each directory
+    tokenizer, dtype = saved[0], token_dtype(saved[0]["vocab_size"])
+    if tasks is not None:
+        return run_plan(job, tasks, targets, tokenizer, dtype)
+    tok.encode_special_tokens = True  # "<|endoftext|>" typed inside a document is text, not a separator
+    tok_file = next(iter(targets.values())).directory / "tokenizer.json"
+    docs = tokenized(job.selected(job.source.records(), targets, n_docs), tok, tok_file, tokenizer["sep_id"], dtype,
+                     job.batch_docs, job.workers)
+    return result(job, fill(docs, outputs(job, targets, tokenizer, dtype)))
+
+
+def run_plan(job: Job, tasks: int, targets: dict[str | None, Target], tokenizer: dict, dtype: str) -> dict:
+    """Write the plan of a SLURM array: each task's contiguous share of the files, balanced by bytes."""
+    files = job.source.files
+    plan = {"check": job.plan_check(tasks), "tasks": tasks, "files": [str(p) for p in files],
+            "shares": parts.shares([p.stat().st_size for p in files], tasks),
+            "targets": [{"directory": str(t.directory), "fingerprint": t.fingerprint, "field": t.field,
+                         "value": t.value} for t in targets.values()],
+            "groups": list(targets), "tokenizer": tokenizer, "dtype": dtype}
+    parts.write_plan(job.out, plan)
+    log(f"planned {tasks} tasks in {parts.parts_dir(job.out)}: run each with --task I (0 to {tasks - 1}), then "
+        "--merge true")
+    return plan
+
+
+def plan_targets(plan: dict) -> dict[str | None, Target]:
+    return {t["value"]: Target(Path(t["directory"]), (t["fingerprint"],), t["field"], t["value"])
+            for t in plan["targets"]}
+
+
+def run_task(job: Job, plan: dict, task: int) -> dict:
+    """Task `task` of the plan: its share of the files into its part; the part's summary."""
+    start, end = plan["shares"][task]
+    source = replace(job.source, files=job.source.files[start:end])
+    tok_file = Path(plan["targets"][0]["directory"]) / "tokenizer.json"
+    if not tok_file.is_file() or sha256_file(tok_file) != plan["tokenizer"]["sha256"]:
+        raise UserError(f"{tok_file} is not the plan's tokenizer: run the plan step (--tasks N alone) again")
+    tok = load_tokenizer(str(tok_file))
+    tok.encode_special_tokens = True
+    docs = tokenized(job.selected(source.records(), set(plan["groups"])), tok, tok_file, plan["tokenizer"]["sep_id"],
+                     plan["dtype"], job.batch_docs, job.workers)
+    meta = parts.write_part(job.out, plan, task, docs)
+    log(f"task {task} of {plan['tasks']}: {meta['documents']:,} documents, {meta['tokens']:,} tokens from "
+        f"{end - start} files into {parts.part_path(job.out, task)}")
+    return meta
+
+
+def run_merge(job: Job, plan: dict) -> dict:
+    """The parts, in order, through the shard writer: the same bytes as one process; then the parts are removed."""
+    targets = plan_targets(plan)
+    if manifests := reused(targets, overwrite=True):  # merged already (the plan step cleared any other dataset)
+        parts.remove_parts(job.out, plan)
+        return result(job, manifests)
+    parts.check_parts(job.out, plan)
+    for target in targets.values():
+        remove_outputs(target.directory)
+    manifests = fill(parts.replay(job.out, plan), outputs(job, targets, plan["tokenizer"], plan["dtype"]))
+    parts.remove_parts(job.out, plan)
+    return result(job, manifests)
 
 
 def prepare(
@@ -143,10 +235,17 @@ def prepare(
     text_field: str = "text",
     tokenizer: str | None = None,
     vocab_size: int = 8192,
+    tokenizer_sample_docs: int | None = None,
+    tokenizer_sample_bytes: int | None = None,
     val_fraction: float = 0.01,
     seed: int = 0,
     shard_tokens: int = 2**27,
     batch_docs: int = 1000,
+    workers: int = 1,
+    recipe: str | None = None,
+    tasks: int | None = None,
+    task: int | None = None,
+    merge: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
@@ -154,9 +253,10 @@ def prepare(
 
     Args:
         inputs: Files, directories (searched recursively) or glob patterns: .txt (a file is one document),
-            .jsonl (one JSON object per line), .parquet, and gzipped .txt.gz/.jsonl.gz. With no inputs and no
-            dataset, the bundled King James Bible corpus (1189 chapters) is used.
-        out: Output directory for tokenizer.json, the .bin shards and manifest.json.
+            .jsonl (one JSON object per line), .parquet, and compressed .txt.gz, .jsonl.gz, .txt.zst, .jsonl.zst.
+            With no inputs and no dataset, the bundled King James Bible corpus (1189 chapters) is used.
+        out: Output directory for tokenizer.json, the .bin shards and manifest.json (a recipe: one directory per
+            source under it, and mixture.yaml).
         dataset: A Hugging Face `datasets` name (or a builder such as "json" with data_files) instead of inputs.
         dataset_config: The dataset's configuration name, if it has several.
         split: The dataset split to read.
@@ -165,72 +265,45 @@ def prepare(
         text_field: The JSON key, parquet column or dataset column holding the text.
         tokenizer: A tokenizer.json path or a Hugging Face hub name; default: train a byte-level BPE.
         vocab_size: Vocabulary size of the trained BPE (ignored with tokenizer).
+        tokenizer_sample_docs: Train the BPE on at most this many documents: the input files in an order shuffled by
+            seed, each read from its start, until the budget (default: every document).
+        tokenizer_sample_bytes: Likewise, at most about this many bytes of text (both: whichever ends first).
         val_fraction: Fraction of whole documents held out for validation (at least one when there are two).
             When the seeded draw holds none out (one document, or a few), validation is instead this fraction of
             the tokens, taken from the tail of the last document if it is long enough.
-        seed: Seed of the train/validation split.
+        seed: Seed of the train/validation split (and of the tokenizer's sample).
         shard_tokens: Tokens per shard file.
         batch_docs: Documents per tokenizer batch (tokenized in parallel).
+        workers: Processes that tokenize (1: this one, on the tokenizer's own threads); the bytes are the same.
+        recipe: A recipe file (configs/data/slimpajama.yaml): each record goes, by a field, to the dataset of its
+            source, out/NAME, in one pass; out/mixture.yaml gives their weights to lm train.
+        tasks: A SLURM array of this many tasks (lm slurm submit --kind prepare): alone, write the tokenizer and the
+            plan (each task's share of the files) into out.
+        task: With tasks: tokenize task I's share into a part (out/.parts/).
+        merge: With tasks: write the shards and manifest from every task's part, then remove the parts.
         overwrite: Replace a different dataset already in out.
         progress: Show progress bars.
 
     Returns:
-        The manifest (as written to out/manifest.json).
+        The manifest (as written to out/manifest.json); a recipe's mixture; with tasks, the plan or the part written.
     """
-    check_settings(tokenizer, vocab_size, val_fraction, shard_tokens, batch_docs)
-    if not inputs and not dataset:
+    check_settings(tokenizer, vocab_size, val_fraction, shard_tokens, batch_docs, workers)
+    sample = Sample(tokenizer_sample_docs, tokenizer_sample_bytes, seed)
+    check_tasks(tasks, task, merge, dataset)
+    book = load_recipe(recipe) if recipe is not None else None
+    if book is not None:
+        inputs = inputs or list(book.inputs)
+        tokenizer = tokenizer if tokenizer is not None else book.tokenizer
+    elif not inputs and not dataset:
         inputs = [str(BUNDLED_CORPUS)]
     source = make_source(inputs, dataset=dataset, dataset_config=dataset_config, split=split, streaming=streaming,
-                         data_files=data_files, text_field=text_field)
+                         data_files=data_files, text_field=text_field, group_field=book.field if book else None)
     out = Path(out)
-    given = settings(source, tokenizer_key(tokenizer, vocab_size), val_fraction, seed, shard_tokens)
-    fps = [fingerprint(given, version) for version in range(VERSION, 0, -1)]  # this version's first
-    if manifest := reusable(out, fps, overwrite):
-        log(f"reusing {out}: {summary(manifest)}")
-        return manifest
-    if next(source.documents(), None) is None:  # fail before touching out
-        raise UserError(f"empty corpus: no non-blank documents in {', '.join(source.describe())}")
-
-    tok, n_docs = get_tokenizer(tokenizer, source, vocab_size, progress)
-    sep_token, sep_id = separator(tok)
-    vocab = vocab_size_of(tok)
-    dtype = token_dtype(vocab)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_outputs(out)
-    tok_sha = save_tokenizer(tok, out / "tokenizer.json")
-    tok.encode_special_tokens = True  # "<|endoftext|>" typed inside a document is text, not a separator
-
-    stats = {"replaced": 0}
-    docs = tqdm(source.documents(), desc="tokenizing", unit="doc", total=n_docs, disable=not progress)
-    splits = write_splits(encode(docs, tok, sep_id, dtype, batch_docs, stats), out, dtype, shard_tokens,
-                          seed, val_fraction)
-    manifest = {
-        "format": FORMAT,
-        "tokenizer": {"file": "tokenizer.json", "sha256": tok_sha, "vocab_size": vocab, "sep_id": sep_id,
-                      "sep_token": sep_token},
-        "dtype": dtype,
-        "fingerprint": fps[0],
-        "sources": source.describe(),
-        "replaced_bytes": stats["replaced"],
-        "splits": splits,
-    }
-    write_json(out / MANIFEST, manifest)  # last: its presence means everything else is complete
-    log(f"prepared {out}: {summary(manifest)}")
-    return manifest
-
-
-def summary(manifest: dict) -> str:
-    """Documents and tokens per split, how validation was held out when not by whole documents, and replaced
-    bytes, in one line."""
-    parts = [f"{s}: {e['documents']:,} documents, {e['tokens']:,} tokens" for s, e in manifest["splits"].items()]
-    if manifest["splits"]["validation"].get("held_out") == TAIL:
-        parts[-1] = tail_summary(manifest["splits"])
-    return "; ".join(parts) + f"; {manifest['replaced_bytes']:,} replaced bytes"
-
-
-def tail_summary(splits: dict) -> str:
-    """The validation part of the summary when it came from the tail of the last document."""
-    val = splits["validation"]["tokens"]
-    share = 100 * val / (val + splits["train"]["tokens"])
-    return (f"validation: {val:,} tokens ({share:.2g}% of tokens) from {TAIL} "
-            "(too few documents to hold a whole one out)")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output path is not a directory: {out}")
+    job = Job(source, out, book, tokenizer, vocab_size, sample, val_fraction, seed, shard_tokens, batch_docs, workers,
+              progress)
+    if task is None and not merge:
+        return run(job, overwrite, tasks)
+    plan = parts.load_plan(out, job.plan_check(tasks), tasks)
+    return run_task(job, plan, task) if task is not None else run_merge(job, plan)

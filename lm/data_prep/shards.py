@@ -107,37 +107,59 @@ def tail_length(ids: np.ndarray, corpus_tokens: int, val_fraction: float) -> int
     return want if int(val_fraction * content) >= 1 and want < content else 0
 
 
+class SplitWriter:
+    """Routes whole documents to train/validation by the seeded draw of their index and writes their shards, one
+    document at a time (a pass that fills several datasets at once pushes into one writer each).
+
+    The last document is held back until close(): when the draw holds no document out, validation takes the tail of
+    the last document (tail_length), else the whole last document; the validation entry's `held_out` says which.
+    """
+
+    def __init__(self, directory: Path, dtype: str, shard_tokens: int, seed: int, val_fraction: float):
+        self.writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
+        self.seed, self.val_fraction = seed, val_fraction
+        self.pending, self.index, self.corpus_tokens = None, -1, 0
+
+    def add(self, ids: np.ndarray) -> None:
+        """The next document, [sep, *tokens]."""
+        if self.pending is not None:  # hold one back: the last document may be needed to fill an empty split
+            self._route(self.pending, self.index)
+        self.index += 1
+        self.pending = ids
+        self.corpus_tokens += len(ids)
+
+    def _route(self, ids: np.ndarray, index: int) -> None:
+        self.writers["validation" if is_validation(index, self.seed, self.val_fraction) else "train"].add(ids)
+
+    def close(self) -> dict:
+        """Place the held-back document, finish the shards; return {split: entry}."""
+        train, validation, pending, index = self.writers["train"], self.writers["validation"], self.pending, self.index
+        held_out = WHOLE
+        if pending is not None:
+            drawn = is_validation(index, self.seed, self.val_fraction)
+            none_held_out = validation.documents == 0 and (index == 0 or not drawn)
+            if none_held_out and (cut := tail_length(pending, self.corpus_tokens, self.val_fraction)):
+                train.add(pending[:-cut])
+                validation.add(np.concatenate([pending[:1], pending[-cut:]]))  # a separator starts a split
+                held_out = TAIL
+            elif index >= 1 and validation.documents == 0:
+                validation.add(pending)
+            elif train.documents == 0:
+                train.add(pending)
+            else:
+                self._route(pending, index)
+        splits = {split: writer.close() for split, writer in self.writers.items()}
+        splits["validation"]["held_out"] = held_out
+        return splits
+
+
 def write_splits(docs: Iterable[np.ndarray], directory: Path, dtype: str, shard_tokens: int,
                  seed: int, val_fraction: float) -> dict:
-    """Route whole documents to train/validation by the seeded draw and write their shards; return {split: entry}.
-
-    When the draw holds no document out, validation takes the tail of the last document (tail_length), else the
-    whole last document; the validation entry's `held_out` says which.
-    """
-    writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
-    pending, index, corpus_tokens = None, -1, 0
-    for index, ids in enumerate(docs):
-        if pending is not None:  # hold one back: the last document may be needed to fill an empty split
-            writers["validation" if is_validation(index - 1, seed, val_fraction) else "train"].add(pending)
-        pending = ids
-        corpus_tokens += len(ids)
-    held_out = WHOLE
-    if pending is not None:
-        drawn = is_validation(index, seed, val_fraction)
-        none_held_out = writers["validation"].documents == 0 and (index == 0 or not drawn)
-        if none_held_out and (cut := tail_length(pending, corpus_tokens, val_fraction)):
-            writers["train"].add(pending[:-cut])
-            writers["validation"].add(np.concatenate([pending[:1], pending[-cut:]]))  # a separator starts a split
-            held_out = TAIL
-        elif index >= 1 and writers["validation"].documents == 0:
-            writers["validation"].add(pending)
-        elif writers["train"].documents == 0:
-            writers["train"].add(pending)
-        else:
-            writers["validation" if drawn else "train"].add(pending)
-    splits = {split: writer.close() for split, writer in writers.items()}
-    splits["validation"]["held_out"] = held_out
-    return splits
+    """Write a stream of documents ([sep, *tokens] each) as train/validation shards (SplitWriter); {split: entry}."""
+    writer = SplitWriter(directory, dtype, shard_tokens, seed, val_fraction)
+    for ids in docs:
+        writer.add(ids)
+    return writer.close()
 
 
 def _check_format(manifest, path: Path) -> None:

@@ -1,10 +1,13 @@
-"""Documents from local files (.txt, .jsonl, .parquet, gzipped .txt/.jsonl) or a `datasets` dataset.
+"""Documents from local files (.txt, .jsonl, .parquet, gzip- or zstd-compressed .txt/.jsonl) or a `datasets` dataset.
 
-Every reader yields (text, n_replaced): the document and how many U+FFFD replacements decoding introduced.
+Every reader yields records (text, n_replaced, group): the document, how many U+FFFD replacements decoding
+introduced, and the value of a field that routes it to one of several datasets (None unless a group_field is asked
+for: `lm prepare --recipe`). Documents are (text, n_replaced).
 """
 
 import glob
 import gzip
+import io
 import json
 import os
 import zlib
@@ -14,8 +17,9 @@ from pathlib import Path
 
 from lm.errors import UserError
 
-EXTENSIONS = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".parquet")
+EXTENSIONS = (".txt", ".txt.gz", ".txt.zst", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 Document = tuple[str, int]
+Record = tuple[str, int, str | None]
 
 
 def reason(e: Exception) -> str:
@@ -78,8 +82,16 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
 
 
 def _open(path: Path):
-    """Open a file for binary reading, decompressing .gz transparently."""
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    """Open a file for binary reading, decompressing .gz and .zst transparently."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True)
+        return io.BufferedReader(reader, 1 << 20)  # lines; zstd's own reader has no readline
+    return open(path, "rb")
 
 
 def _clean(text: str) -> Document:
@@ -101,13 +113,29 @@ def _field(row: dict, text_field: str, where: str) -> str | None:
     return value
 
 
-def read_txt(path: Path) -> Iterator[Document]:
+def _group(row, group_field: str | None, where: str) -> str | None:
+    """The text at the dotted path `group_field` of a record ("meta.redpajama_set_name"); None without a field."""
+    if group_field is None:
+        return None
+    value = row
+    for key in group_field.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise UserError(f"{where}: no field {group_field!r}")
+        value = value[key]
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {group_field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def read_txt(path: Path, group_field: str | None = None) -> Iterator[Record]:
     """A whole .txt file is one document."""
+    if group_field is not None:
+        raise UserError(f"{path}: a text file has no field {group_field!r} (records to route are .jsonl or .parquet)")
     with _open(path) as f:
-        yield decode(f.read())
+        yield *decode(f.read()), None
 
 
-def read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
+def read_jsonl(path: Path, text_field: str, group_field: str | None = None) -> Iterator[Record]:
     """One JSON object per line, the document under `text_field`."""
     with _open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -121,39 +149,51 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
             value = _field(row, text_field, f"{path}:{lineno}")
             if value is not None:
                 text, more = _clean(value) if isinstance(value, str) else decode(value)
-                yield text, replaced + more
+                yield text, replaced + more, _group(row, group_field, f"{path}:{lineno}")
 
 
-def read_parquet(path: Path, text_field: str) -> Iterator[Document]:
+def read_parquet(path: Path, text_field: str, group_field: str | None = None) -> Iterator[Record]:
     """Column `text_field` of a parquet file, read in row batches to bound memory."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise UserError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)})")
-    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            if value is not None:
-                yield (value, 0) if isinstance(value, str) else decode(value)
+    columns = [text_field, *([group_field.split(".")[0]] if group_field else [])]
+    for column in columns:
+        if column not in pf.schema_arrow.names:
+            raise UserError(f"{path}: no column {column!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    for batch in pf.iter_batches(batch_size=1024, columns=list(dict.fromkeys(columns))):
+        for row in batch.to_pylist():
+            if (value := row[text_field]) is not None:
+                text, replaced = (value, 0) if isinstance(value, str) else decode(value)
+                yield text, replaced, _group(row, group_field, f"{path}")
 
 
-def read_file(path: Path, text_field: str) -> Iterator[Document]:
-    """Documents of one file, by extension; unreadable or corrupt files become a UserError."""
+def _zstd_error() -> tuple[type[Exception], ...]:
+    """zstandard's error class, when it is installed."""
+    try:
+        import zstandard
+    except ImportError:
+        return ()
+    return (zstandard.ZstdError,)
+
+
+def read_file(path: Path, text_field: str, group_field: str | None = None) -> Iterator[Record]:
+    """Records of one file, by extension; unreadable or corrupt files become a UserError."""
     ext = extension(path)
     try:
-        if ext in (".txt", ".txt.gz"):
-            yield from read_txt(path)
-        elif ext in (".jsonl", ".jsonl.gz"):
-            yield from read_jsonl(path, text_field)
+        if ext in (".txt", ".txt.gz", ".txt.zst"):
+            yield from read_txt(path, group_field)
+        elif ext in (".jsonl", ".jsonl.gz", ".jsonl.zst"):
+            yield from read_jsonl(path, text_field, group_field)
         elif ext == ".parquet":
-            yield from read_parquet(path, text_field)
+            yield from read_parquet(path, text_field, group_field)
         else:
             raise UserError(f"unknown file extension: {path} (supported: {', '.join(EXTENSIONS)})")
-    except (OSError, EOFError, ValueError, zlib.error) as e:  # bad gzip or parquet, permissions
+    except (OSError, EOFError, ValueError, zlib.error, *_zstd_error()) as e:  # bad gzip, zstd or parquet, permissions
         raise UserError(f"cannot read {path}: {reason(e)}") from None
 
 
-def read_dataset(name, config, split, streaming, data_files, text_field) -> Iterator[Document]:
+def read_dataset(name, config, split, streaming, data_files, text_field, group_field=None) -> Iterator[Record]:
     """Rows of a `datasets` dataset (hub name, or a builder like "json" with data_files)."""
     import datasets
 
@@ -164,7 +204,8 @@ def read_dataset(name, config, split, streaming, data_files, text_field) -> Iter
     for i, row in enumerate(ds):
         value = _field(row, text_field, f"dataset {name!r} row {i}")
         if value is not None:
-            yield (value, 0) if isinstance(value, str) else decode(value)
+            text, replaced = (value, 0) if isinstance(value, str) else decode(value)
+            yield text, replaced, _group(row, group_field, f"dataset {name!r} row {i}")
 
 
 @dataclass(frozen=True)
@@ -178,17 +219,25 @@ class Source:
     streaming: bool = False
     data_files: tuple[str, ...] | None = None
     text_field: str = "text"
+    group_field: str | None = None
+
+    def records(self) -> Iterator[Record]:
+        """Yield (text, n_replaced, group) for each non-blank document, in a fixed order; files are opened one at a
+        time, as they are reached."""
+        if self.dataset:
+            files = list(self.data_files) if self.data_files else None
+            docs = read_dataset(self.dataset, self.dataset_config, self.split, self.streaming, files, self.text_field,
+                                self.group_field)
+        else:
+            docs = (doc for path in self.files for doc in read_file(path, self.text_field, self.group_field))
+        for record in docs:
+            if record[0].strip():
+                yield record
 
     def documents(self) -> Iterator[Document]:
         """Yield (text, n_replaced) for each non-blank document, in a fixed order."""
-        if self.dataset:
-            files = list(self.data_files) if self.data_files else None
-            docs = read_dataset(self.dataset, self.dataset_config, self.split, self.streaming, files, self.text_field)
-        else:
-            docs = (doc for path in self.files for doc in read_file(path, self.text_field))
-        for text, replaced in docs:
-            if text.strip():
-                yield text, replaced
+        for text, replaced, _ in self.records():
+            yield text, replaced
 
     def describe(self) -> list[str]:
         """Human-readable source list for the manifest."""
@@ -201,7 +250,8 @@ class Source:
 
 def make_source(inputs: Sequence[str | os.PathLike] = (), *, dataset: str | None = None,
                 dataset_config: str | None = None, split: str = "train", streaming: bool = False,
-                data_files: Sequence[str] | None = None, text_field: str = "text") -> Source:
+                data_files: Sequence[str] | None = None, text_field: str = "text",
+                group_field: str | None = None) -> Source:
     """Check and resolve the inputs once (missing paths fail here, before any work)."""
     if isinstance(inputs, str | os.PathLike):  # one path, not a sequence of characters
         inputs = [inputs]
@@ -211,7 +261,7 @@ def make_source(inputs: Sequence[str | os.PathLike] = (), *, dataset: str | None
         raise UserError("no inputs: give input files, directories or globs, or dataset")
     files = () if dataset else tuple(resolve_inputs(inputs))
     return Source(files, dataset, dataset_config, split, streaming,
-                  tuple(data_files) if data_files else None, text_field)
+                  tuple(data_files) if data_files else None, text_field, group_field)
 
 
 def iter_documents(inputs: Sequence[str | os.PathLike] = (), **kwargs) -> Iterator[Document]:

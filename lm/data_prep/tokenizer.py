@@ -51,10 +51,11 @@ def tokenizer_file(spec: str) -> Path | None:
     return None
 
 
-def tokenizer_key(spec: str | None, vocab_size: int) -> str:
-    """What identifies the tokenizer in the dataset fingerprint."""
+def tokenizer_key(spec: str | None, vocab_size: int, sample: str | None = None) -> str:
+    """What identifies the tokenizer in the dataset fingerprint; `sample` names the BPE's training sample (None: the
+    whole corpus, the key of old calls)."""
     if spec is None:
-        return f"bpe:{vocab_size}"
+        return f"bpe:{vocab_size}" + (f":{sample}" if sample else "")
     path = tokenizer_file(spec)
     return f"file:{sha256_file(path)}" if path else f"hub:{spec}"
 

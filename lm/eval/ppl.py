@@ -13,6 +13,7 @@ import csv
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,16 @@ def plot_difference(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run_data_path(data: dict) -> str | None:
+    """The run's data directory: data.path, or for a mixture its first source (the caller says which)."""
+    if data.get("path") or not data.get("sources"):
+        return data.get("path")
+    path = data["sources"][0]["path"]
+    print(f"lm eval ppl: the run trained on a mixture; evaluating its first source, {path} (--data for another)",
+          file=sys.stderr)
+    return path
+
+
 def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
                  max_windows: int | None = None, batch_size: int = 8, out: str | None = None,
                  multiples: list[int] = [1], reference: str | None = None,  # noqa: B006
@@ -161,7 +172,7 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     model, hparams = load_model(checkpoint)
     run_dir = run_dir_of(checkpoint)
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    data = data or run_config.get("data", {}).get("path")
+    data = data or run_data_path(run_config.get("data", {}))
     seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
     if data is None:
         raise UserError("no data directory: pass --data")

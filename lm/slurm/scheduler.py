@@ -24,9 +24,11 @@ def require(command: str) -> str:
     return path
 
 
-def sbatch(script: Path) -> str:
-    """Submit `script`; the job id (of the array, for an array job)."""
-    result = subprocess.run([require("sbatch"), "--parsable", str(script)], capture_output=True, text=True)
+def sbatch(script: Path, dependency: str | None = None) -> str:
+    """Submit `script`, to start once `dependency` holds ("afterok:ID"); the job id (of the array, for an array
+    job)."""
+    after = [f"--dependency={dependency}"] if dependency else []
+    result = subprocess.run([require("sbatch"), "--parsable", *after, str(script)], capture_output=True, text=True)
     if result.returncode != 0:
         raise UserError(f"sbatch refused {script}: {' '.join(result.stderr.split())}")
     return result.stdout.strip().split(";")[0]

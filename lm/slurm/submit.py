@@ -5,6 +5,7 @@ evaluation), write it into the run directory, submit it and print the job id.
     lm slurm submit [SLURM options] --array SWEEP.yaml [-- arguments common to every run]
     lm slurm submit --kind eval [SLURM options] -- ppl --checkpoint RUN_DIR ...
     lm slurm submit --kind eval --tasks N [SLURM options] -- mqar-grid --out DIR ...   # task i adds --cell i
+    lm slurm submit --kind prepare --tasks N [SLURM options] -- --inputs ... --out DIR ...   # then a merge job
 
 The run's resolved config is frozen into RUN_DIR/slurm/ at submission, so a requeued job trains exactly what was
 submitted. Site defaults (partition, account, setup lines) come from the site file, never from the code.
@@ -96,16 +97,19 @@ def submit_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="lm slurm submit", exit_on_error=False, default_env=False,
                             default_config_files=[str(site)] if site.is_file() else [],
                             description="Submit a training run, a sweep or an evaluation to SLURM.")
-    parser.add_argument("--kind", choices=["train", "eval"], default="train",
-                        help="train: `lm train` on nodes x devices; eval: an `lm eval` command, one process.")
+    parser.add_argument("--kind", choices=["train", "eval", "prepare"], default="train",
+                        help="train: `lm train` on nodes x devices; eval: an `lm eval` command, one process; prepare: "
+                             "`lm prepare` as an array of --tasks parts and a merge job.")
     parser.add_argument("--array", type=str | None, default=None,
                         help="A sweep file (runs: a list of config-key mappings): one array task per run.")
     parser.add_argument("--tasks", type=int | None, default=None,
                         help="--kind eval: an array of N tasks, task i running the command with `--cell i` (a grid "
-                             "split into cells, e.g. mqar-grid; `lm eval mqar-grid ... --cell -1` prints N).")
+                             "split into cells, e.g. mqar-grid; `lm eval mqar-grid ... --cell -1` prints N). --kind "
+                             "prepare: plan here, then an array of N tasks (`--task i`) and a merge job after them.")
     parser.add_argument("--job_dir", type=str | None, default=None,
                         help="Where the script and the job's own log go (default: RUN_DIR/slurm; a sweep: "
-                             "runs/sweeps/NAME; an evaluation: the checkpoint's run directory/slurm).")
+                             "runs/sweeps/NAME; an evaluation: the checkpoint's run directory/slurm; prepare: "
+                             "OUT/slurm).")
     parser.add_argument("--dry_run", type=bool, default=False, help="Print the script; submit nothing.")
     parser.add_class_arguments(SlurmOptions, nested_key=None)
     return parser
@@ -216,6 +220,55 @@ def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None, tasks
     return PlannedRun(run_dir, ["eval", *command], None, (1, 1, gpus))
 
 
+def plan_prepare(command: list[str], opts: SlurmOptions, tasks: int | None) -> tuple[PlannedRun, dict]:
+    """An `lm prepare` command, checked as the CLI would parse it, as an array of `tasks` parts; and its arguments
+    for prepare() (the plan step, run here at submission)."""
+    from lm.commands import function_parser, load_command
+
+    if tasks is None or tasks < 1:
+        raise UserError(f"--kind prepare needs --tasks N (at least 1), got {tasks}")
+    parser = function_parser(load_command("prepare"), "lm prepare")
+    try:
+        namespace = parser.parse_args(command)
+    except Exception as err:
+        raise UserError(error_line(parser, err)) from None
+    given = [f"--{key}" for key in ("tasks", "task", "merge") if namespace.get(key) not in (None, False)]
+    if given:
+        raise UserError(f"drop {', '.join(given)} from the lm prepare command: --tasks N of lm slurm submit sets them")
+    namespace.pop("config", None)
+    gpus = opts.gpus_per_node or 0
+    run = PlannedRun(Path(namespace["out"]).resolve(), ["prepare", *command, "--tasks", str(tasks)], None, (1, 1, gpus))
+    return run, {**namespace.as_dict(), "tasks": tasks}
+
+
+def submit_prepare(run: PlannedRun, arguments: dict, opts: SlurmOptions, job_dir: Path, tasks: int, stamp: str,
+                   dry_run: bool) -> str | None:
+    """The plan step here, then the array of parts and the merge job that waits for all of them (afterok)."""
+    name = f"lm-prepare-{run.run_dir.name}"
+    merge = PlannedRun(run.run_dir, [*run.args, "--merge", "true"], None, run.shape)
+    scripts = {"prepare": render("prepare", [run], opts, job_dir, False, name, tasks),
+               "merge": render("prepare", [merge], opts, job_dir, False, f"{name}-merge")}
+    if dry_run:
+        print("\n".join(scripts.values()), end="")
+        return None
+    scheduler.require("sbatch")
+    from lm.data_prep.prepare import prepare
+
+    if "shares" not in prepare(**arguments):  # the dataset is there already: nothing to submit
+        print(f"{run.run_dir} is prepared already: nothing submitted", file=sys.stderr)
+        return None
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    job_id = None
+    for kind, script in scripts.items():
+        path = job_dir / f"{kind}-{stamp}.sbatch"
+        path.write_text(script)
+        job_id = scheduler.sbatch(path, dependency=f"afterok:{job_id}" if job_id else None)
+        scheduler.record_job(run.run_dir, job_id, kind, path)
+        print(job_id)
+    return job_id
+
+
 def refuse_live_jobs(run_dirs: list[Path]) -> None:
     """Two live jobs training one run directory would interleave their checkpoints."""
     for run_dir in run_dirs:
@@ -235,12 +288,14 @@ def render(kind: str, runs: list[PlannedRun], opts: SlurmOptions, job_dir: Path,
     nodes, tasks_per_node, gpus = runs[0].shape
     return env.from_string(TEMPLATE.read_text()).render(
         kind=kind, runs=runs, o=opts, array=array, tasks=tasks, job_name=job_name, nodes=nodes,
+        task_option="--task" if kind == "prepare" else "--cell",  # what each array task adds: its index
         tasks_per_node=tasks_per_node, gpus_per_node=gpus, chdir=os.getcwd(), job_dir=job_dir, requeue=kind == "train",
         log_name="array-%A_%a" if array or tasks else "job-%j", python=opts.python or sys.executable)
 
 
 def submit_from_args(argv: list[str]) -> str | None:
-    """`lm slurm submit`; prints and returns the job id (None for --dry_run)."""
+    """`lm slurm submit`; prints and returns the job id (None for --dry_run; --kind prepare prints the array's and
+    returns the merge job's)."""
     own, command = split_argv(argv)
     parser = submit_parser()
     try:
@@ -253,8 +308,14 @@ def submit_from_args(argv: list[str]) -> str | None:
     opts = SlurmOptions(**{k: v for k, v in namespace.as_dict().items() if k in SlurmOptions.__annotations__})
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    if tasks is not None and kind != "eval":
-        raise UserError("--tasks is for --kind eval (a grid split into cells); a training sweep is --array")
+    if tasks is not None and kind == "train":
+        raise UserError("--tasks is for --kind eval (a grid split into cells) or prepare; a training sweep is --array")
+    if kind == "prepare":
+        if array:
+            raise UserError("--array is for training sweeps; lm prepare's array is --tasks N")
+        run, arguments = plan_prepare(command, opts, tasks)
+        job_dir = Path(job_dir).resolve() if job_dir else run.run_dir / "slurm"
+        return submit_prepare(run, arguments, opts, job_dir, tasks, stamp, dry_run)
     if kind == "eval":
         if array:
             raise UserError("--array is for training sweeps; an evaluation grid is --tasks N")

@@ -6,10 +6,15 @@ permutation seeded by (seed, e), epoch after epoch without end; the run's length
 of that global stream is consumed by rank p mod world, and within a rank micro-batch t comes from worker
 t mod num_workers: for micro_batch 1, rank r of world w, worker j of n, gets positions r + w * (j + n * i).
 The only state is the number of windows consumed, so a resume is exact and survives a change of world size.
+
+A mixture (data.sources) has one such stream per source, each with its own epochs and permutations (source i > 0
+seeded by (seed, e, i)); lm.training.mixture says which source, and which of its positions, each global position
+reads. `data.path` is a mixture of one, and reads exactly as above.
 """
 
+import re
 from dataclasses import dataclass
-from functools import lru_cache
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -18,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from lm.data_prep.shards import load_manifest, open_split
 from lm.errors import UserError
+from lm.training.mixture import MixtureSchedule
 
 
 class TokenStream:
@@ -56,37 +62,48 @@ def count_windows(total_tokens: int, seq_len: int) -> int:
     return max(0, (total_tokens - 1) // seq_len)
 
 
-@lru_cache(maxsize=2)
-def epoch_permutation(n_windows: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n_windows)
-
-
-def window_at(position: int, n_windows: int, seed: int) -> int:
-    """Index of the window at `position` of the endless training stream."""
-    epoch, i = divmod(position, n_windows)
-    return int(epoch_permutation(n_windows, seed, epoch)[i])
+def epoch_permutation(n_windows: int, seed: int, epoch: int, source: int = 0) -> np.ndarray:
+    """The order of a source's windows in one epoch (source 0 keeps the seeding of a single stream)."""
+    return np.random.default_rng([seed, epoch] + ([source] if source else [])).permutation(n_windows)
 
 
 class TrainWindows(IterableDataset):
-    """Endless micro-batches [micro_batch, seq_len + 1] for one rank, starting after `start` consumed windows."""
+    """Endless micro-batches [micro_batch, seq_len + 1] for one rank, starting after `start` consumed windows, drawn
+    from the sources' streams as `schedule` interleaves them (one stream: no schedule needed)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, micro_batch: int, seed: int, start: int,
-                 rank: int = 0, world: int = 1):
-        self.stream, self.seq_len, self.micro_batch, self.seed = stream, seq_len, micro_batch, seed
+    def __init__(self, streams: TokenStream | list[TokenStream], seq_len: int, micro_batch: int, seed: int,
+                 start: int, rank: int = 0, world: int = 1, schedule: MixtureSchedule | None = None):
+        self.streams = streams if isinstance(streams, list) else [streams]
+        self.schedule = schedule or MixtureSchedule([1.0] * len(self.streams))
+        if len(self.schedule.rates) != len(self.streams):
+            raise ValueError("one weight per stream")
+        self.seq_len, self.micro_batch, self.seed = seq_len, micro_batch, seed
         self.start, self.rank, self.world = start, rank, world
-        self.n_windows = count_windows(stream.total, seq_len)
+        self.n_windows = [count_windows(s.total, seq_len) for s in self.streams]
+        self._epochs = {}  # source -> (epoch, its permutation): one per source in memory, as positions only grow
 
     def positions(self, t: int) -> list[int]:
         """Stream positions of this rank's micro-batch t."""
         return [self.start + self.rank + self.world * (t * self.micro_batch + u) for u in range(self.micro_batch)]
+
+    def window(self, position: int) -> tuple[int, int]:
+        """(source, window index in that source) at `position` of the global stream."""
+        source, n = self.schedule.locate(position)
+        epoch, i = divmod(n, self.n_windows[source])
+        if self._epochs.get(source, (None,))[0] != epoch:
+            self._epochs[source] = (epoch, epoch_permutation(self.n_windows[source], self.seed, epoch, source))
+        return source, int(self._epochs[source][1][i])
 
     def __iter__(self):
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         t = worker
         while True:
-            windows = [window_at(p, self.n_windows, self.seed) for p in self.positions(t)]
-            yield torch.from_numpy(np.stack([self.stream.read(w * self.seq_len, self.seq_len + 1) for w in windows]))
+            rows = []
+            for p in self.positions(t):
+                source, w = self.window(p)
+                rows.append(self.streams[source].read(w * self.seq_len, self.seq_len + 1))
+            yield torch.from_numpy(np.stack(rows))
             t += n_workers
 
 
@@ -106,18 +123,41 @@ class ValidationWindows(Dataset):
 
 
 @dataclass
+class DataSource:
+    """One prepared directory of a mixture (data.sources). Give every source a weight, or every source tokens.
+
+    Args:
+        path: Directory written by ``lm prepare``.
+        weight: Its share of the training windows (the weights are normalised to sum to 1).
+        tokens: Instead of a weight: the training tokens it gives the whole run (the sources' tokens must add up to
+            the run's, max_steps x global batch x seq_len).
+        name: Its name in the logs (data/tokens/NAME, val/loss/NAME); default: the directory's name.
+    """
+
+    path: str
+    weight: float | None = None
+    tokens: int | None = None
+    name: str | None = None
+
+
+@dataclass
 class DataConfig:
     """Where the tokens come from and how they are cut.
 
     Args:
-        path: Directory written by ``lm prepare`` (manifest.json, tokenizer.json, shards).
+        path: Directory written by ``lm prepare`` (manifest.json, tokenizer.json, shards); default data/prepared.
+            A mixture of one source.
+        sources: Instead of path: prepared directories mixed by weight (one tokenizer), each a mapping of path,
+            weight (or tokens) and name. Every source's share of the training windows is its weight, at every point
+            of the run; validation is logged per source (val/loss/NAME) and as their weighted mean (val/loss).
         seq_len: Tokens per training sequence.
         micro_batch: Sequences per device per forward pass.
         global_batch: Sequences per optimizer step over all devices (None: micro_batch x accumulate x world).
         global_batch_tokens: The same in tokens (a multiple of seq_len); give either.
         num_workers: Data-loader worker processes per device.
         seed: Seed of the window order.
-        val_windows: Validation windows evaluated each time (None: all of them; 0: no validation at all).
+        val_windows: Validation windows evaluated each time, per source (None: all of them; 0: no validation at
+            all).
         verify: Check every shard's sha256 against the manifest when loading.
         reset_at_documents: Start every document of a window from an empty state (every mixer's state, conv buffers
             and KV cache cleared at the separator, attention masked block-diagonally, RoPE positions from the
@@ -125,7 +165,8 @@ class DataConfig:
             ``model.document_separator``), so evaluation and generation reset alike.
     """
 
-    path: str = "data/prepared"
+    path: str | None = None
+    sources: list[DataSource] | None = None
     seq_len: int = 2048
     micro_batch: int = 8
     global_batch: int | None = None
@@ -140,6 +181,52 @@ class DataConfig:
         if self.val_windows is not None and self.val_windows < 0:
             raise UserError(f"data.val_windows must be 0 (no validation), positive or null (all), got "
                             f"{self.val_windows}")
+        if self.sources is not None:
+            if self.path is not None:
+                raise UserError("give data.path or data.sources, not both (a path is a mixture of one)")
+            self.sources = [DataSource(**s) if isinstance(s, dict) else s for s in self.sources]
+            check_sources(self.sources)
+
+    def mixture(self) -> list[DataSource]:
+        """The sources with their names and weights filled in (normalised; from tokens where given)."""
+        if self.sources is None:
+            path = self.path or "data/prepared"
+            return [DataSource(path, 1.0, None, source_name(path))]
+        total = sum(s.weight if s.weight is not None else s.tokens for s in self.sources)
+        return [DataSource(s.path, (s.weight if s.weight is not None else s.tokens) / total, s.tokens,
+                           s.name or source_name(s.path)) for s in self.sources]
+
+    @property
+    def first_path(self) -> str:
+        """The directory whose tokenizer and manifest the run takes (every source shares them)."""
+        return self.mixture()[0].path
+
+
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def source_name(path: str) -> str:
+    """A source's default name: its directory's name."""
+    return Path(path).resolve().name or "data"
+
+
+def check_sources(sources: list[DataSource]) -> None:
+    """data.sources is a non-empty list, all weights or all tokens, positive, names unique and fit for log keys."""
+    if not sources:
+        raise UserError("data.sources is empty: list at least one prepared directory, or give data.path")
+    for s in sources:
+        if (s.weight is None) == (s.tokens is None):
+            raise UserError(f"data.sources: {s.path} needs a weight or tokens (one of them)")
+        if not (s.weight if s.weight is not None else s.tokens) > 0:
+            raise UserError(f"data.sources: {s.path} has a weight or tokens that is not positive")
+    if len({s.weight is None for s in sources}) > 1:
+        raise UserError("data.sources: give every source a weight, or every source tokens, not a mix")
+    names = [s.name or source_name(s.path) for s in sources]
+    if bad := [n for n in names if not NAME.fullmatch(n)]:
+        raise UserError(f"data.sources: name {bad[0]!r} may hold only letters, digits, '_', '.' and '-'")
+    if len(set(names)) < len(names):
+        raise UserError(f"data.sources: two sources are named {sorted(n for n in names if names.count(n) > 1)[0]!r}: "
+                        "give each a name")
 
 
 def check_validation(stream: TokenStream, seq_len: int) -> None:
@@ -156,40 +243,71 @@ def check_validation(stream: TokenStream, seq_len: int) -> None:
 
 
 class TokenDataModule(L.LightningDataModule):
-    """Training and validation loaders over prepared shards; its checkpointed state is the windows consumed."""
+    """Training and validation loaders over prepared shards, one stream per source of the mixture; its checkpointed
+    state is the windows consumed."""
 
     def __init__(self, cfg: DataConfig):
         super().__init__()
         self.cfg = cfg
         self.windows_consumed = 0
-        self.train_stream = TokenStream(cfg.path, "train", verify=cfg.verify)
-        self.val_stream = TokenStream(cfg.path, "validation", verify=False)  # verified with the train split
-        if count_windows(self.train_stream.total, cfg.seq_len) == 0:
-            raise UserError(f"{cfg.path}: {self.train_stream.total} training tokens is less than one window of "
-                            f"seq_len + 1 = {cfg.seq_len + 1}")
+        self.sources = cfg.mixture()
+        self.train_streams = [TokenStream(s.path, "train", verify=cfg.verify) for s in self.sources]
+        check_one_tokenizer(self.sources, [stream.manifest for stream in self.train_streams])
+        self.val_streams = [TokenStream(s.path, "validation", verify=False)  # verified with the train split
+                            for s in self.sources]
+        self.schedule = MixtureSchedule([s.weight for s in self.sources])
+        for stream in self.train_streams:
+            if count_windows(stream.total, cfg.seq_len) == 0:
+                raise UserError(f"{stream.directory}: {stream.total} training tokens is less than one window of "
+                                f"seq_len + 1 = {cfg.seq_len + 1}")
         if cfg.val_windows != 0:
-            check_validation(self.val_stream, cfg.seq_len)
+            for stream in self.val_streams:
+                check_validation(stream, cfg.seq_len)
 
     @property
     def manifest(self) -> dict:
-        return self.train_stream.manifest
+        """The first source's manifest: its tokenizer is every source's."""
+        return self.train_streams[0].manifest
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def tokens_per_source(self, windows: int) -> dict[str, int]:
+        """Training tokens each source has given after `windows` windows of the stream."""
+        counts = self.schedule.counts(windows) * self.cfg.seq_len
+        return dict(zip(self.names, (int(c) for c in counts), strict=True))
 
     def train_dataloader(self):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        dataset = TrainWindows(self.train_stream, self.cfg.seq_len, self.cfg.micro_batch, self.cfg.seed,
-                               self.windows_consumed, rank, world)
+        dataset = TrainWindows(self.train_streams, self.cfg.seq_len, self.cfg.micro_batch, self.cfg.seed,
+                               self.windows_consumed, rank, world, self.schedule)
         return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers,
                           persistent_workers=False)
 
     def val_dataloader(self):
-        dataset = ValidationWindows(self.val_stream, self.cfg.seq_len, self.cfg.val_windows)
-        return DataLoader(dataset, batch_size=self.cfg.micro_batch, shuffle=False, num_workers=0)
+        """One loader per source (a single one for a mixture of one)."""
+        loaders = [DataLoader(ValidationWindows(stream, self.cfg.seq_len, self.cfg.val_windows),
+                              batch_size=self.cfg.micro_batch, shuffle=False, num_workers=0)
+                   for stream in self.val_streams]
+        return loaders[0] if len(loaders) == 1 else loaders
 
     def state_dict(self):
         return {"windows_consumed": self.windows_consumed}
 
     def load_state_dict(self, state):
         self.windows_consumed = int(state["windows_consumed"])
+
+
+def check_one_tokenizer(sources: list[DataSource], manifests: list[dict]) -> None:
+    """Every source must have been prepared with the first source's tokenizer (the same tokenizer.json bytes)."""
+    first = manifests[0]["tokenizer"]["sha256"]
+    for source, manifest in zip(sources[1:], manifests[1:], strict=True):
+        if manifest["tokenizer"]["sha256"] != first:
+            raise UserError(f"data.sources: {source.path} was prepared with another tokenizer than "
+                            f"{sources[0].path} (tokenizer.json sha256 {manifest['tokenizer']['sha256'][:12]} vs "
+                            f"{first[:12]}): prepare every source with one, e.g. lm prepare --tokenizer "
+                            f"{sources[0].path}/tokenizer.json")
 
 
 class CountConsumedWindows(L.Callback):

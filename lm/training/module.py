@@ -61,15 +61,41 @@ class LMModule(L.LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         return loss
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
         loss = next_token_loss(self.model, batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        names = self.source_names
+        # A mixture has one loader per source: its metrics are logged per source, its losses at the epoch's end.
+        suffix = f"/{names[dataloader_idx]}" if len(names) > 1 else ""
+        if suffix:
+            self._source_loss[:, dataloader_idx] += torch.stack([loss.detach().float() * len(batch),
+                                                                 loss.new_tensor(len(batch), dtype=torch.float32)])
+        else:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
         for key, value in self.model.mixer_metrics().items():
-            self.log(f"val/{key}", value, sync_dist=True, batch_size=batch.shape[0],
+            self.log(f"val/{key}{suffix}", value, sync_dist=True, batch_size=batch.shape[0], add_dataloader_idx=False,
                      reduce_fx="max" if key.endswith("_max") else "mean")
 
+    @property
+    def source_names(self) -> list[str]:
+        """The names of the data's sources (lm.training.data.TokenDataModule); one name for a single source."""
+        return getattr(self.trainer.datamodule, "names", [""])
+
+    def on_validation_epoch_start(self):
+        self._source_loss = torch.zeros(2, len(self.source_names), device=self.device)  # loss sums; windows
+
     def on_validation_epoch_end(self):
-        loss = self.trainer.callback_metrics.get("val/loss")
+        names = self.source_names
+        if len(names) > 1:
+            sums, windows = self.trainer.strategy.reduce(self._source_loss, reduce_op="sum")
+            means = sums / windows.clamp(min=1)
+            for name, mean in zip(names, means, strict=True):
+                self.log(f"val/loss/{name}", mean, sync_dist=False)
+            # The mixture's loss: each source's mean, weighted as training draws the sources.
+            shares = torch.as_tensor(self.trainer.datamodule.schedule.shares, dtype=means.dtype, device=means.device)
+            loss = (shares * means).sum()
+            self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        else:
+            loss = self.trainer.callback_metrics.get("val/loss")
         if loss is not None:
             self.log("val/ppl", math.exp(min(float(loss), 50.0)), sync_dist=False)
 

@@ -26,11 +26,12 @@ from lm.training.callbacks.mixer_metrics import MixerMetrics
 from lm.training.callbacks.progress import progress_callbacks
 from lm.training.callbacks.rank_monitor import RankMonitor
 from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
+from lm.training.callbacks.source_tokens import LogSourceTokens
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.training.config import RunConfig
 from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
-from lm.training.data import CountConsumedWindows, TokenDataModule
+from lm.training.data import CountConsumedWindows, TokenDataModule, count_windows
 from lm.training.launch_guard import RunDirLock, check_slurm_launch
 from lm.training.module import LMModule
 from lm.training.stop_request import StoppedForRequeue
@@ -55,7 +56,7 @@ def check_compatible(config: RunConfig, manifest: dict) -> None:
     """The model must cover the tokenizer's vocabulary and the training length."""
     vocab = manifest["tokenizer"]["vocab_size"]
     if config.model.vocab_size < vocab:
-        raise UserError(f"vocab mismatch: the tokenizer of {config.data.path} has {vocab} tokens but "
+        raise UserError(f"vocab mismatch: the tokenizer of {config.data.first_path} has {vocab} tokens but "
                         f"model.vocab_size is {config.model.vocab_size}")
     if config.data.seq_len > config.model.max_seq_len:
         raise UserError(f"data.seq_len {config.data.seq_len} is larger than model.max_seq_len "
@@ -67,15 +68,36 @@ def with_document_resets(config: RunConfig, manifest: dict) -> RunConfig:
     checkpoint then carries to evaluation and generation. A separator set by hand must be the data's."""
     separator, given = manifest["tokenizer"].get("sep_id"), config.model.document_separator
     if config.data.reset_at_documents and separator is None:
-        raise UserError(f"data.reset_at_documents: {config.data.path}/manifest.json names no separator id (prepare "
-                        "it again with lm prepare)")
+        raise UserError(f"data.reset_at_documents: {config.data.first_path}/manifest.json names no separator id "
+                        "(prepare it again with lm prepare)")
     if given is not None and given != separator:
-        raise UserError(f"model.document_separator {given} is not the separator {separator} of {config.data.path}")
+        raise UserError(f"model.document_separator {given} is not the separator {separator} of "
+                        f"{config.data.first_path}")
     if given is not None and not config.data.reset_at_documents:
         raise UserError("model.document_separator is set by data.reset_at_documents: set that instead")
     if config.data.reset_at_documents:
         config.model = dataclasses.replace(config.model, document_separator=separator)
     return config
+
+
+def check_source_tokens(config: RunConfig, global_batch: int) -> None:
+    """Sources given in tokens must add up to the run's tokens (within one step's: the schedule rounds)."""
+    sources, step = config.data.sources, global_batch * config.data.seq_len
+    if sources and sources[0].tokens is not None:
+        given, run = sum(s.tokens for s in sources), config.trainer.max_steps * step
+        if abs(given - run) > step:
+            raise UserError(f"data.sources ask for {given:,} tokens, but the run trains {run:,} (trainer.max_steps "
+                            f"{config.trainer.max_steps} x {step:,} tokens per step): make them agree, or give weights")
+
+
+def mixture_summary(datamodule: TokenDataModule, run_windows: int) -> str:
+    """Each source's share, and the epochs of its training split the run will read."""
+    parts = []
+    for source, stream, windows in zip(datamodule.sources, datamodule.train_streams,
+                                       datamodule.schedule.counts(run_windows), strict=True):
+        epochs = windows / count_windows(stream.total, datamodule.cfg.seq_len)
+        parts.append(f"{source.name} {100 * source.weight:.3g}% ({epochs:.3g} epochs)")
+    return "lm train: mixture of " + ", ".join(parts)
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:
@@ -168,7 +190,8 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
-    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), stop, stability, MixerMetrics(),
+    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), stop, stability,
+                 MixerMetrics(),
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
@@ -218,6 +241,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     check_compatible(config, datamodule.manifest)
     config = with_document_resets(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
+    check_source_tokens(config, global_batch)
     check_slurm_launch(world)
     # Before anything is written: a bad --resume, or one this strategy cannot continue, changes nothing (resume_path
     # only writes a weights-only copy next to the checkpoint, after its own checks).
@@ -225,7 +249,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, yaml)
-    tokenizer = Path(config.data.path) / datamodule.manifest["tokenizer"]["file"]
+    tokenizer = Path(config.data.first_path) / datamodule.manifest["tokenizer"]["file"]
     if not (run_dir / "tokenizer.json").exists():
         shutil.copyfile(tokenizer, run_dir / "tokenizer.json")
     module = LMModule(config.model, config.optim, config.trainer.max_steps,
@@ -237,6 +261,8 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     if trainer.is_global_zero:
         print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
               f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
+        if len(datamodule.sources) > 1:
+            print(mixture_summary(datamodule, config.trainer.max_steps * global_batch), file=sys.stderr)
         if checkpoint is not None:  # says which checkpoint this launch continues, so a log shows every resume
             print(f"lm train: resuming from {checkpoint}", file=sys.stderr)
         if "SLURM_JOB_ID" in os.environ:
