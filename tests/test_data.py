@@ -91,6 +91,10 @@ def test_next_epoch_uses_a_new_permutation(indexed):
     epoch0 = [windows.window(p)[1] for p in range(n)]
     epoch1 = [windows.window(p)[1] for p in range(n, 2 * n)]
     assert sorted(epoch1) == list(range(n)) and epoch1 != epoch0
+    # A single source keeps the order it always had (DESIGN.md: seeded by (seed, epoch)), so an older checkpoint
+    # resumes onto the same windows.
+    assert epoch0 == np.random.default_rng([7, 0]).permutation(n).tolist()
+    assert epoch1 == np.random.default_rng([7, 1]).permutation(n).tolist()
 
 
 def test_windows_overlap_by_one_token_so_every_token_is_a_target_once(stream):

@@ -139,6 +139,11 @@ class DataSource:
     tokens: int | None = None
     name: str | None = None
 
+    @property
+    def amount(self) -> float | None:
+        """Its weight, or else its tokens: what the shares are proportional to."""
+        return self.weight if self.weight is not None else self.tokens
+
 
 @dataclass
 class DataConfig:
@@ -192,9 +197,8 @@ class DataConfig:
         if self.sources is None:
             path = self.path or "data/prepared"
             return [DataSource(path, 1.0, None, source_name(path))]
-        total = sum(s.weight if s.weight is not None else s.tokens for s in self.sources)
-        return [DataSource(s.path, (s.weight if s.weight is not None else s.tokens) / total, s.tokens,
-                           s.name or source_name(s.path)) for s in self.sources]
+        total = sum(s.amount for s in self.sources)
+        return [DataSource(s.path, s.amount / total, s.tokens, s.name or source_name(s.path)) for s in self.sources]
 
     @property
     def first_path(self) -> str:
@@ -217,7 +221,7 @@ def check_sources(sources: list[DataSource]) -> None:
     for s in sources:
         if (s.weight is None) == (s.tokens is None):
             raise UserError(f"data.sources: {s.path} needs a weight or tokens (one of them)")
-        if not (s.weight if s.weight is not None else s.tokens) > 0:
+        if not s.amount > 0:
             raise UserError(f"data.sources: {s.path} has a weight or tokens that is not positive")
     if len({s.weight is None for s in sources}) > 1:
         raise UserError("data.sources: give every source a weight, or every source tokens, not a mix")
