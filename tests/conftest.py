@@ -23,3 +23,12 @@ def kjv_data(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("kjv") / "data"
     prepare([str(BUNDLED_CORPUS)], str(out), vocab_size=512, progress=False)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(kjv_data, tmp_path_factory) -> dict:
+    """4 steps of every strategy on 2 processes, and of one process (tests/strategy_runs.py): made once, for
+    tests/test_scale_out.py and for tests/test_slurm.py's 2-node runs."""
+    from strategy_runs import train_every_strategy
+
+    return train_every_strategy(tmp_path_factory.mktemp("scale_out"), kjv_data)

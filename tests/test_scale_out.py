@@ -3,13 +3,9 @@ global batch: same losses, exports that load with identical logits, exact resume
 and damaged checkpoints refused."""
 
 import csv
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from strategy_runs import ONE_PROCESS, STRATEGIES, base_config, environment, lm_command, train
 
 from lm.cli import main
 from lm.errors import UserError
@@ -25,13 +22,6 @@ from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.checkpoint import checkpoint_problem, step_checkpoints
 from lm.training.stop_request import STOPPED_EXIT_CODE
 
-STRATEGIES = {
-    "ddp": ["--strategy.name", "ddp", "--strategy.devices", "2"],
-    "zero2": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2", "--strategy.devices", "2"],
-    "zero3": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "3", "--strategy.devices", "2"],
-    "fsdp2": ["--strategy.name", "fsdp", "--strategy.devices", "2"],
-}
-ONE_PROCESS = ["--data.micro_batch", "4"]  # the same global batch of 4 sequences as 2 processes x 2
 # The continuations from a run's step-2 checkpoint: name -> (the run, the flags of the launch that continues it).
 RESUMES = {**{strategy: (strategy, flags) for strategy, flags in STRATEGIES.items()},
            "ddp in one process": ("ddp", ONE_PROCESS), "zero2 in one process": ("zero2", ONE_PROCESS),
@@ -44,57 +34,6 @@ REFUSED = {"single into fsdp2": ("single", STRATEGIES["fsdp2"], "cannot resume F
            "zero2 as zero3": ("zero2", STRATEGIES["zero3"], "cannot resume DeepSpeed"),
            "zero2 on one process": ("zero2", ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2",
                                               "--strategy.devices", "1", *ONE_PROCESS], "cannot resume DeepSpeed")}
-
-
-def base_config(tmp: Path, data: str, steps: int = 4, ckpt_every: int = 2) -> Path:
-    path = tmp / "base.yaml"
-    path.write_text(f"""
-seed: 3
-model: {{vocab_size: 512, d_model: 64, n_layers: 2, n_heads: 2, head_dim: 32, max_seq_len: 64}}
-data: {{path: {data}, seq_len: 64, micro_batch: 2, global_batch: 4, num_workers: 0, val_windows: 8}}
-optim: {{lr: 3.0e-3, warmup_steps: 2}}
-trainer: {{max_steps: {steps}, val_every: 1000, ckpt_every: {ckpt_every}, keep_last: 3, log_every: 1,
-          progress_bar: false}}
-strategy: {{accelerator: cpu}}
-""")
-    return path
-
-
-def lm_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "lm.cli", *args]
-
-
-_ports_given: set[int] = set()
-_ports_lock = threading.Lock()
-
-
-def free_port() -> int:
-    """A port the OS says is free (bound to port 0 on 127.0.0.1, read, closed), never one this process handed out
-    before: launches that run at once must not meet."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with _ports_lock:  # launches start from a thread pool
-            if port not in _ports_given:
-                _ports_given.add(port)
-                return port
-
-
-def environment() -> dict:
-    # One thread per process: two processes share the two cores. Each launch gets a port of its own.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(free_port())}
-
-
-def lm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(lm_command(*args), env=environment(), capture_output=True, text=True, timeout=600)
-    if check and result.returncode != 0:
-        raise AssertionError(f"lm {' '.join(args)} -> {result.returncode}\n{result.stderr[-3000:]}")
-    return result
-
-
-def train(config: Path, run_dir: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -120,16 +59,8 @@ def exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(kjv_data, tmp_path_factory) -> dict[str, Path]:
-    """4 steps of each strategy (checkpoints at 2 and 4), and of one process. Two launches at a time: while one
-    launch's processes import and meet, a core would wait."""
-    tmp = tmp_path_factory.mktemp("scale_out")
-    config = base_config(tmp, kjv_data)
-    launches = {"single": ONE_PROCESS, **STRATEGIES}
-    with ThreadPoolExecutor(2) as pool:
-        for future in [pool.submit(train, config, tmp / name, *flags) for name, flags in launches.items()]:
-            future.result()
-    return {"config": config, **{name: tmp / name for name in launches}}
+def runs(strategy_runs) -> dict[str, Path]:
+    return strategy_runs
 
 
 @pytest.fixture(scope="module")

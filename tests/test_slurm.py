@@ -1,7 +1,9 @@
-"""`lm slurm` against a real one-node SLURM cluster (slurm/local_cluster.sh, which .ci/run starts): a 2-task CPU
-training job, the same job preempted with SIGUSR1 (checkpoint, requeue, resume, same final weights), an array of
-two runs, an evaluation job, the launch guards, and `lm compare ladder` as array jobs with a preempted task. The
-rendered script for 4 nodes x 8 GPUs is checked line by line without a cluster."""
+"""`lm slurm` against a real two-node SLURM cluster (slurm/local_cluster.sh, which .ci/run starts; each node a network
+namespace with its own address and hostname): a 2-task CPU training job on one node; the same run as DDP on 2 nodes x
+1 process, preempted with SIGUSR1 (checkpoint, requeue, resume, the one-node run's weights bit for bit); ZeRO-2 and
+FSDP2 on 2 nodes against the same runs on one machine; a 2-node checkpoint resumed on one node; an array of two runs,
+an evaluation job, the launch guards, `lm compare ladder` as array jobs with a preempted task, and `lm prepare` as an
+array with a merge. The rendered script for 4 nodes x 8 GPUs is checked line by line without a cluster."""
 
 import contextlib
 import csv
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from strategy_runs import STRATEGIES as LOCAL_STRATEGIES
 
 from lm.cli import main
 from lm.errors import UserError
@@ -46,17 +49,19 @@ def cluster():
     return env
 
 
-def config_file(tmp: Path, data: str, devices: int = 2, **trainer) -> Path:
+def config_file(tmp: Path, data: str, devices: int = 2, nodes: int = 1, **trainer) -> Path:
+    """A run of the global batch 4 on nodes x devices processes: DDP, or the single strategy for one process."""
     settings = {"max_steps": STEPS, "val_every": 1000, "ckpt_every": 20, "keep_last": 2, "log_every": 1,
                 "progress_bar": "false", **trainer}
-    path = tmp / f"run-{devices}.yaml"
+    world = devices * nodes
+    path = tmp / f"run-{nodes}x{devices}.yaml"
     path.write_text(f"""
 seed: 3
 model: {{vocab_size: 512, d_model: 64, n_layers: 2, n_heads: 2, head_dim: 32, max_seq_len: 64}}
-data: {{path: {data}, seq_len: 64, micro_batch: {4 // devices}, global_batch: 4, num_workers: 0, val_windows: 8}}
+data: {{path: {data}, seq_len: 64, micro_batch: {4 // world}, global_batch: 4, num_workers: 0, val_windows: 8}}
 optim: {{lr: 3.0e-3, warmup_steps: 2}}
 trainer: {{{", ".join(f"{k}: {v}" for k, v in settings.items())}}}
-strategy: {{accelerator: cpu, name: {"ddp" if devices > 1 else "single"}, devices: {devices}}}
+strategy: {{accelerator: cpu, name: {"ddp" if world > 1 else "single"}, devices: {devices}, num_nodes: {nodes}}}
 """)
     return path
 
@@ -144,16 +149,29 @@ def test_two_task_training_job_completes(straight):
     assert list((straight / "slurm").glob("train-*.yaml")) and (straight / "config.yaml").is_file()
 
 
-def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_weights(cluster, straight, kjv_data, tmp_path):
-    run_dir = tmp_path / "run"
-    job = submit(cluster, "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(run_dir),
-                 "--trainer.wandb", "true")
+@pytest.fixture(scope="module")
+def preempted(cluster, kjv_data, tmp_path_factory) -> tuple[Path, str]:
+    """DDP on 2 nodes x 1 process, stopped with SIGUSR1 mid-run: it checkpoints, requeues itself and finishes."""
+    tmp = tmp_path_factory.mktemp("slurm-preempted")
+    run_dir = tmp / "run"
+    job = submit(cluster, "--", "--config", str(config_file(tmp, kjv_data, devices=1, nodes=2)), "--run_dir",
+                 str(run_dir), "--trainer.wandb", "true")
     wait_for_a_checkpoint(run_dir)
     subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True)
+    return run_dir, job
+
+
+def test_a_preempted_2_node_job_requeues_and_ends_with_the_1_node_weights(cluster, straight, preempted):
+    """The ranks on two hosts (network namespaces, their own addresses and hostnames) meet over the bridge; the stop
+    notice reaches both, the requeued job resumes, and the final weights are the uninterrupted 1-node job's, bit for
+    bit: DDP on 2 processes reduces the same two gradients whichever hosts they are on."""
+    run_dir, job = preempted
     info = wait_until_ended(cluster, job)
     out = (run_dir / "slurm" / f"job-{job}.out").read_text()
     err = (run_dir / "slurm" / f"job-{job}.err").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, err[-3000:])
+    assert info["NumNodes"] == "2" and "lm-node[1-2]" in out  # the job line names both nodes
+    assert "MEMBER: 2/2" in err and "2 processes x micro_batch 2" in err
     stopped = int(re.search(r"stopped on request at step (\d+)", err).group(1))
     assert 0 < stopped < STEPS, "the signal must land mid-run"
     assert "requeueing it" in out and f"lm slurm: job {job} restart 1" in out
@@ -170,6 +188,58 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_weights(clust
     status = lm_here(cluster, "slurm", "status", str(run_dir))
     assert re.search(rf"job {job}\s+train COMPLETED\s+restarts 1", status), status
     assert f"last logged step {STEPS - 1}; newest checkpoint step={STEPS:08d}.ckpt" in status
+
+
+@pytest.fixture(scope="module")
+def sharded(cluster, strategy_runs, tmp_path_factory) -> dict[str, Path]:
+    """ZeRO-2 and FSDP2 on 2 nodes x 1 process, each the same run as tests/test_scale_out.py's on one machine with 2
+    processes (the conftest's `strategy_runs`, checkpoints at steps 2 and 4); the two jobs run at once, one CPU of
+    each node apiece. Their run directories by strategy."""
+    tmp = tmp_path_factory.mktemp("slurm-sharded")
+    jobs = {}
+    for strategy in ("zero2", "fsdp2"):
+        flags = [*LOCAL_STRATEGIES[strategy], "--strategy.devices", "1", "--strategy.num_nodes", "2"]
+        jobs[strategy] = tmp / strategy, submit(cluster, "--mem", "1G", "--", "--config",
+                                                 str(strategy_runs["config"]), "--run_dir", str(tmp / strategy),
+                                                 *flags)
+    for run_dir, job in jobs.values():
+        info = wait_until_ended(cluster, job)
+        assert info["JobState"] == "COMPLETED", (run_dir / "slurm" / f"job-{job}.err").read_text()[-3000:]
+    return {strategy: run_dir for strategy, (run_dir, _) in jobs.items()}
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp2"])
+def test_sharded_strategies_on_2_nodes_end_with_the_1_node_weights(sharded, strategy_runs, strategy):
+    """Bit for bit: the same 2 ranks reduce in the same order whichever hosts hold them (gloo over 2 ranks), so there
+    is no float rounding to allow for. The shards each rank wrote on its own host join into the same weights."""
+    from lm.training.consolidate import full_checkpoint
+
+    final = "checkpoints/step=00000004.ckpt"
+    one, two = (full_checkpoint(run / final)["state_dict"] for run in (strategy_runs[strategy], sharded[strategy]))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    out = next((sharded[strategy] / "slurm").glob("job-*.out")).read_text()
+    assert "on lm-node[1-2]" in out
+
+
+def test_a_2_node_checkpoint_on_one_node_continues_or_is_refused_as_the_resume_matrix_says(cluster, preempted, sharded,
+                                                                                           kjv_data, tmp_path, capsys):
+    """The 2-node DDP run's plain checkpoint continues in one process on one node, optimizer state and all; DeepSpeed's
+    shards continue only at their own world size, so one process is refused in one line before anything is written."""
+    run_dir, job = preempted
+    wait_until_ended(cluster, job)
+    config = config_file(tmp_path, kjv_data, devices=1, max_steps=STEPS + 2)
+    ddp = run_dir / "checkpoints" / f"step={STEPS:08d}.ckpt"
+    assert main(["train", "--config", str(config), "--run_dir", str(tmp_path / "single"), "--resume", str(ddp)]) == 0
+    err = capsys.readouterr().err
+    assert f"lm train: resuming from {ddp}" in err and "fresh optimizer state" not in err
+    assert newest_checkpoint(tmp_path / "single" / "checkpoints").name == f"step={STEPS + 2:08d}.ckpt"
+    zero2 = sharded["zero2"] / "checkpoints" / "step=00000004.ckpt"
+    refused = ["train", "--config", str(config), "--run_dir", str(tmp_path / "zero2"), "--strategy.name", "deepspeed",
+               "--strategy.zero_stage", "2", "--resume", str(zero2)]
+    assert main(refused) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot resume DeepSpeed ZeRO-2 on 1 processes" in err and "\n" not in err, err
+    assert not (tmp_path / "zero2").exists()
 
 
 def test_a_cancelled_job_is_not_requeued(cluster, kjv_data, tmp_path):
