@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +20,18 @@ def gpu_script(out: Path, **env) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_gpu_script_smoke(tmp_path):
-    proc = gpu_script(tmp_path, SMOKE="1")
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Both calls at tiny sizes, run at once (each spends much of its time starting Python processes one by one):
+    {call: (its output folder, the finished script)}."""
+    outs = {call: tmp_path_factory.mktemp(f"gpu-call{call}") for call in ("1", "2")}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {call: pool.submit(gpu_script, out, SMOKE="1", CALL=call) for call, out in outs.items()}
+        return {call: (outs[call], run.result()) for call, run in runs.items()}
+
+
+def test_gpu_script_smoke(smoke):
+    tmp_path, proc = smoke["1"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "torch " in (tmp_path / "env.txt").read_text()
     assert "7 skipped" in (tmp_path / "gpu-tests.txt").read_text()  # the GPU test files and the CUDA flex tests
@@ -34,9 +47,9 @@ def test_gpu_script_smoke(tmp_path):
     assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
 
 
-def test_gpu_script_second_call_smoke(tmp_path):
+def test_gpu_script_second_call_smoke(smoke):
     """CALL=2: no tests and no Mesa peer; the 1B rows at the long length, then trainer.compile per mixer."""
-    proc = gpu_script(tmp_path, SMOKE="1", CALL="2")
+    tmp_path, proc = smoke["2"]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not (tmp_path / "gpu-tests.txt").exists() and not (tmp_path / "mesa-peer.json").exists()
     rows = json.loads((tmp_path / "gpu-train.json").read_text())["rows"]
