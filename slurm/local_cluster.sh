@@ -79,12 +79,10 @@ StateSaveLocation=$DIR/spool/ctld
 SlurmdSpoolDir=$DIR/spool/d-%n
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
-# Each node offers twice this machine's CPUs, and a job that asks for no memory gets 1 GB per CPU: small jobs then
-# run side by side, as on a real cluster's nodes, though here they share the machine's cores.
-DefMemPerCPU=1024
-SlurmdParameters=config_overrides
-NodeName=${NODES[0]} NodeAddr=$NET.2 CPUs=$((2 * cpus)) RealMemory=$mem State=UNKNOWN
-NodeName=${NODES[1]} NodeAddr=$NET.3 CPUs=$((2 * cpus)) RealMemory=$mem State=UNKNOWN
+# Each node has all of this machine's CPUs: a one-node job of 2 processes fits either node, and a 2-node job takes
+# one CPU of each. (More would let jobs share the cores, where ranks that wait in gloo's collectives spin.)
+NodeName=${NODES[0]} NodeAddr=$NET.2 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=${NODES[1]} NodeAddr=$NET.3 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP
 EOF
     mv "$CONF.tmp" "$CONF"
@@ -156,7 +154,7 @@ start() {
     for _ in $(seq 100); do
         if [[ $(sinfo -h -o '%D %T' 2>/dev/null | awk '$2 ~ /^(idle|mixed|allocated)$/ {n += $1} END {print n + 0}') \
               -eq 2 ]]; then
-            echo "local_cluster.sh: cluster lm-local is up (nodes ${NODES[*]} at $NET.2-3, $((2 * $(nproc))) CPUs each); \
+            echo "local_cluster.sh: cluster lm-local is up (nodes ${NODES[*]} at $NET.2-3, $(nproc) CPUs each); \
 $(env_line)" >&2
             return
         fi

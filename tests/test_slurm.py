@@ -127,9 +127,8 @@ def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def straight(cluster, kjv_data, tmp_path_factory, sharded_jobs) -> Path:
-    """An uninterrupted 2-task job: it must complete with its checkpoint and logs in the run directory. (The 2-node
-    jobs of `sharded_jobs` are submitted before it, to run beside it.)"""
+def straight(cluster, kjv_data, tmp_path_factory) -> Path:
+    """An uninterrupted 2-task job: it must complete with its checkpoint and logs in the run directory."""
     tmp = tmp_path_factory.mktemp("slurm-straight")
     run_dir = tmp / "run"
     job = submit(cluster, "--", "--config", str(config_file(tmp, kjv_data)), "--run_dir", str(run_dir))
@@ -192,26 +191,21 @@ def test_a_preempted_2_node_job_requeues_and_ends_with_the_1_node_weights(cluste
 
 
 @pytest.fixture(scope="module")
-def sharded_jobs(cluster, strategy_runs, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+def sharded(cluster, strategy_runs, tmp_path_factory) -> dict[str, Path]:
     """ZeRO-2 and FSDP2 on 2 nodes x 1 process, each the same run as tests/test_scale_out.py's on one machine with 2
-    processes (the conftest's `strategy_runs`, checkpoints at steps 2 and 4), submitted first (`straight` asks for
-    them) so that they run beside the module's other jobs. Their run directories and jobs, by strategy."""
+    processes (the conftest's `strategy_runs`, checkpoints at steps 2 and 4); the two jobs run at once, one CPU of
+    each node apiece. Their run directories by strategy."""
     tmp = tmp_path_factory.mktemp("slurm-sharded")
     jobs = {}
     for strategy in ("zero2", "fsdp2"):
         flags = [*LOCAL_STRATEGIES[strategy], "--strategy.devices", "1", "--strategy.num_nodes", "2"]
-        jobs[strategy] = tmp / strategy, submit(cluster, "--", "--config", str(strategy_runs["config"]), "--run_dir",
-                                                 str(tmp / strategy), *flags)
-    return jobs
-
-
-@pytest.fixture(scope="module")
-def sharded(cluster, sharded_jobs) -> dict[str, Path]:
-    """The run directories of `sharded_jobs`, once both completed."""
-    for run_dir, job in sharded_jobs.values():
+        jobs[strategy] = tmp / strategy, submit(cluster, "--mem", "1G", "--", "--config",
+                                                 str(strategy_runs["config"]), "--run_dir", str(tmp / strategy),
+                                                 *flags)
+    for run_dir, job in jobs.values():
         info = wait_until_ended(cluster, job)
         assert info["JobState"] == "COMPLETED", (run_dir / "slurm" / f"job-{job}.err").read_text()[-3000:]
-    return {strategy: run_dir for strategy, (run_dir, _) in sharded_jobs.items()}
+    return {strategy: run_dir for strategy, (run_dir, _) in jobs.items()}
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp2"])
