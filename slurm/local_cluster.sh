@@ -88,7 +88,7 @@ EOF
     mv "$CONF.tmp" "$CONF"
 }
 
-node_up() {  # node_up I NAME: namespace lm-NAME with its veth end on the bridge, address NET.(I+1), hosts file
+node_up() {  # node_up I NAME: network namespace NAME, its veth end on the bridge at NET.(I+1), its hosts file
     local i=$1 name=$2
     ip netns list | grep -qw "$name" || ip netns add "$name"
     if ! ip netns exec "$name" ip link show lm0 >/dev/null 2>&1; then
@@ -146,6 +146,7 @@ start() {
             dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none; \
             chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key; }
         runuser -u munge -- munged --force
+        for _ in $(seq 50); do [[ -s /run/munge/munged.pid ]] && break; sleep 0.1; done
         cp /run/munge/munged.pid "$DIR/munged.pid"  # munged's own record of its daemon's pid
     fi
     running "$DIR/slurmctld.pid" || slurmctld
