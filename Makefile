@@ -9,12 +9,15 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-all install lint clean gpu-wheels gpu-triton wheel-check
 
 # The benchmark peers (lm bench peers) go in without their dependencies: litgpt pins jsonargparse and huggingface_hub.
+# DeepSpeed compiles an op of its own (its shared-memory all-reduce) the first time its process group starts on a
+# CPU machine, about 35 s on 2 cores: it is built here, once, rather than inside the first run or test that uses it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)" || $(BIN)/pip install -q "torch>=2.5"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps "litgpt==0.5.13" "mlstm_kernels==2.0.6" einops
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,9 +25,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/lm demo
 
+# Two pytest-xdist workers, one per core of the 2-core CI machine; each takes whole test files (tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/ruff check lm tests data_prep eval hatch_build.py
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -34,16 +34,18 @@ running() {  # running PIDFILE: the process of that pid file is alive
     [[ -s "$1" ]] && alive "$(cat "$1")"
 }
 
+PACKAGES="slurmctld slurmd slurm-client munge iproute2 util-linux"  # util-linux: nsenter and unshare
+
 install_packages() {
     command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
-        && command -v munged >/dev/null && return
-    [[ $(id -u) -eq 0 ]] || die "slurm-wlm and munge are not installed; run this once as root to install them"
-    command -v apt-get >/dev/null || die "slurm-wlm and munge are not installed and there is no apt-get to install them"
-    echo "local_cluster.sh: installing slurmctld slurmd slurm-client munge" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null \
-        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
-             apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null; } \
-        || die "could not install slurm-wlm and munge with apt-get"
+        && command -v munged >/dev/null && command -v ip >/dev/null && command -v nsenter >/dev/null && return
+    [[ $(id -u) -eq 0 ]] || die "$PACKAGES are not all installed; run this once as root to install them"
+    command -v apt-get >/dev/null || die "$PACKAGES are not all installed and there is no apt-get to install them"
+    echo "local_cluster.sh: installing $PACKAGES" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $PACKAGES >/dev/null \
+        || { apt-get update -q >/dev/null \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $PACKAGES >/dev/null; } \
+        || die "could not install $PACKAGES with apt-get"
 }
 
 write_config() {

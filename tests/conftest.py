@@ -1,10 +1,14 @@
 """Shared fixtures: a prepared copy of the bundled corpus (small vocabulary), offline settings, and Triton's
-interpreter on a machine without CUDA."""
+interpreter on a machine without CUDA; the order in which pytest-xdist's workers take the test files."""
 
+import json
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,22 +17,60 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # first imported, by whichever test imports it first, so it is set before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test`: two workers, one per core), each worker and the processes it starts compute on one
+# thread: two workers with two threads each would oversubscribe the cores, where OpenMP's waiting threads spin.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+# `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile --no-loadscope-reorder`):
+# a worker takes a whole test file, so that a module's fixtures are made once, and the next file in this order when it
+# is done. The files with the longest fixtures or launches go first, so that neither worker is left with a long one at
+# the end while the other idles; the rest follow in pytest's order.
+LONG_FILES = ["test_scale_out", "test_mqar", "test_slurm", "test_train", "test_harness", "test_gpu_script",
+              "test_ladder", "test_progress"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_FILES)))  # stable: pytest's order within a file
+
+
+def made_once(request: pytest.FixtureRequest, tmp_path_factory, name: str, make: Callable[[Path], object]):
+    """`make(folder)`'s JSON-able result, made once per test session also when several pytest-xdist workers ask: the
+    first one makes it under a lock in the folder all workers' temporary folders share, the others wait for it and
+    read the result it recorded there."""
+    if not hasattr(request.config, "workerinput"):  # not in an xdist worker
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(shared / f"{name}.lock"):
+        record = shared / f"{name}.json"
+        if not record.is_file():
+            record.write_text(json.dumps(make(tmp_path_factory.mktemp(name))))
+        return json.loads(record.read_text())
 
 
 @pytest.fixture(scope="session")
-def kjv_data(tmp_path_factory) -> str:
+def kjv_data(request, tmp_path_factory) -> str:
     """The bundled KJV corpus prepared with a 512-token BPE (about 1.7M training tokens)."""
     from lm.data_prep.prepare import BUNDLED_CORPUS, prepare
 
-    out = tmp_path_factory.mktemp("kjv") / "data"
-    prepare([str(BUNDLED_CORPUS)], str(out), vocab_size=512, progress=False)
-    return str(out)
+    def make(folder: Path) -> str:
+        prepare([str(BUNDLED_CORPUS)], str(folder / "data"), vocab_size=512, progress=False)
+        return str(folder / "data")
+
+    return made_once(request, tmp_path_factory, "kjv", make)
 
 
 @pytest.fixture(scope="session")
-def strategy_runs(kjv_data, tmp_path_factory) -> dict:
+def strategy_runs(kjv_data, request, tmp_path_factory) -> dict[str, Path]:
     """4 steps of every strategy on 2 processes, and of one process (tests/strategy_runs.py): made once, for
     tests/test_scale_out.py and for tests/test_slurm.py's 2-node runs."""
     from strategy_runs import train_every_strategy
 
-    return train_every_strategy(tmp_path_factory.mktemp("scale_out"), kjv_data)
+    def make(folder: Path) -> dict[str, str]:
+        return {name: str(path) for name, path in train_every_strategy(folder, kjv_data).items()}
+
+    return {name: Path(path) for name, path in made_once(request, tmp_path_factory, "scale_out", make).items()}
+
