@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from lm.commands import OWN_ARGV, POSITIONAL, find_command, function_parser, load_command, members, usage, word_groups
 from lm.config_errors import error_line
-from lm.errors import Diverged, UserError
+from lm.errors import WRITE_FAILED_EXIT_CODE, CheckpointWriteFailed, Diverged, UserError
 from lm.training.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
 
 
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
               file=sys.stderr)
         return STOPPED_EXIT_CODE
+    except CheckpointWriteFailed as err:
+        if err.rank == 0:
+            print(f"lm {name}: error: {err}", file=sys.stderr)
+        return WRITE_FAILED_EXIT_CODE
     except Diverged as err:
         print(f"lm {name}: {err}", file=sys.stderr)
         return 1

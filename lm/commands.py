@@ -83,6 +83,11 @@ COMMANDS = {
                                 "memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)", "bench"),
     "bench compile": Command("lm.bench.compile_speed:bench_compile", "eager vs torch.compile'd training steps per "
                              "mixer: speedup, compile time, graph breaks", "bench"),
+    "bench checkpoint-save": Command("lm.bench.checkpoint_save:bench_checkpoint_save", "a checkpoint save's extra "
+                                     "host memory and bytes written outside the run directory: lm's vs Lightning's "
+                                     "writer", "bench"),
+    "bench self-check": Command("lm.bench.self_check_cost:bench_self_check", "the fast paths' self-check: one "
+                                "check of Mesa's Triton kernels vs the call it guards", "bench"),
     "bench hf-generate": Command("lm.bench.hf_generate:bench_hf_generate", "transformers' generate() on lm models "
                                  "vs LanguageModel.generate: cache bytes, tokens/s", "bench"),
     "research mesa-ablation": Command("lm.bench.mesa_ablation:mesa_ablation", "Mesa's variants (output scale, v conv, "

@@ -14,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it where
     pytest.skip("CUDA is here: tests/test_ops_gpu_mesa.py tests the compiled kernels", allow_module_level=True)
 pytest.importorskip("triton", reason="the dev extra installs Triton, whose interpreter runs these kernels")
 
+from gpu_helpers import raw_kernels  # noqa: E402, F401 (the kernels unchecked here: an autouse fixture)
 from test_op_mesa import realistic_inputs, reference, relative_error  # noqa: E402
 
 from lm.mixers import Mesa  # noqa: E402

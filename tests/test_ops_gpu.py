@@ -3,12 +3,13 @@ with an initial state, the final state and gradients. Skipped without CUDA; with
 
 import pytest
 import torch
-from gpu_helpers import err_ratio, require_gpu
+from gpu_helpers import err_ratio, raw_kernels, require_gpu  # noqa: F401 (raw_kernels: an autouse fixture)
 
 from lm.ops.delta_rule import delta_rule
 from lm.ops.diagonal_scan import diagonal_scan
 from lm.ops.fla import fla_refuses_gated_backward
 from lm.ops.linear_attention import linear_attention
+from lm.ops.self_check import BOUNDS
 
 require_gpu("fla.ops.delta_rule", "fla.ops.gated_delta_rule", "fla.ops.simple_gla", "fla.ops.gla", "fla.ops.hgrn")
 
@@ -42,7 +43,8 @@ def run_and_grads(op, x: dict, backend: str):
     return out, state, dict(zip(inputs, grads))
 
 
-def check_against_torch(op, x: dict, tol: float = 2e-2, gated_kernel: str | None = None):
+def check_against_torch(op, x: dict, tol: float = BOUNDS["fla"][torch.bfloat16].out,
+                        gated_kernel: str | None = None):
     """fla against torch: the forward always (output and final state, without a gradient: what evaluation and
     generation run), and the gradients where fla differentiates. For a gated kernel whose backward fla refuses here
     (Triton 3.4 to 3.7.0 on Hopper, as on the lent H200), that fla raises and that "auto" then takes the torch code."""
@@ -139,3 +141,25 @@ def test_auto_uses_fla_for_cuda_bf16():
     x = make_inputs(gated_decay=True)
     assert use_fla("auto", x["q"], op="test")
     assert not use_fla("auto", x["q"].float(), op="test")  # float32 stays on the exact torch path
+
+
+def test_the_self_check_keeps_fla(monkeypatch):
+    """With the self-check on (lm.ops.self_check), each fla kernel passes it here: a verdict per kernel and shape
+    class, all kept, none said. Named "fla" is checked as "auto" is; forward only where fla refuses the backward."""
+    from lm.ops import self_check
+
+    monkeypatch.setenv("LM_KERNEL_SELF_CHECK", "1")
+    self_check.forget()
+    x, reset = make_inputs(gated_decay=True), packed_documents()
+    per_key = torch.nn.functional.logsigmoid(torch.randn(B, T, H, K, device="cuda") + 3)
+    gate = torch.randn(B, T, H * V, device="cuda")
+    with torch.no_grad():  # the check differentiates anyway; the calls' own forwards then never meet a refusal
+        _linear_attention(x, "fla")
+        _linear_attention(x, "fla", reset)
+        _linear_attention(dict(x, log_decay=per_key), "fla")
+        _delta_rule(x, "fla")
+        _delta_rule(dict(x, log_decay=None), "fla", reset)
+        diagonal_scan(((1 - gate.sigmoid()) * gate).bfloat16(), torch.nn.functional.logsigmoid(gate), backend="fla")
+    found = self_check.verdicts()
+    print("\nself-check seconds:", {key[0]: round(v.seconds, 2) for key, v in found.items()})
+    assert len(found) == 6 and all(v.ok for v in found.values()), found

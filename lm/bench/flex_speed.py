@@ -60,7 +60,8 @@ def bench_flex(lengths: list[int] = [512, 2048], masks: list[str] = ["half", "12
             block_mask = attention_block_mask(T, 0, window, document_start, device)
             q, k, v, grad = (torch.randn(batch, n_heads, T, head_dim, device=device) for _ in range(4))
             sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=dense)
-            flex = functools.partial(flex_attend, block_mask=block_mask)
+            flex = functools.partial(flex_attend, block_mask=block_mask, window=window,
+                                     documents=document_start is not None)
             for form, run in (("forward", forward_only), ("forward + backward", forward_backward)):
                 extra = () if form == "forward" else (grad,)
                 calls = {name: functools.partial(run, attend, q, k, v, *extra)

@@ -96,9 +96,8 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
     GATE_BIAS_DRIFT, from the last checkpoint); blank for mixers that report neither."""
     import csv
 
-    import torch
-
     from lm.training.checkpoint import newest_checkpoint
+    from lm.training.data_only import load
 
     if mixer not in GATE_BIAS_DRIFT:
         return "", ""
@@ -107,7 +106,7 @@ def gate_drift(run_dir: Path, mixer: str, options: dict, n_heads: int) -> tuple[
     checkpoint = newest_checkpoint(run_dir / "checkpoints")
     if not gammas or checkpoint is None:
         return "", ""
-    weights = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    weights = load(checkpoint)["state_dict"]
     moved = GATE_BIAS_DRIFT[mixer](weights, n_heads, **options)
     return f"{gammas[0]:.3f} -> {gammas[-1]:.3f}", f"{moved:.2f}"
 

@@ -147,7 +147,7 @@ class Attention(Mixer):
         if self.kernel(x.device, T, seen, starts) == "flex":
             document_start = None if starts is None else starts - (seen - cached)  # as indices into k
             block_mask = attention_block_mask(T, cached, self.window, document_start, x.device)
-            y = flex_attend(q, k, v, block_mask, enable_gqa=gqa)
+            y = flex_attend(q, k, v, block_mask, enable_gqa=gqa, window=self.window, documents=starts is not None)
         else:
             mask = self.allowed(T, seen, cached, x.device, starts)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)

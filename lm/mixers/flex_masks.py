@@ -21,6 +21,8 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from lm.ops import self_check
+
 COMPILED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what inductor's CPU FlexAttention accepts
 
 
@@ -59,17 +61,54 @@ def attention_block_mask(T: int, cached: int, window: int | None, document_start
 
 
 def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
-                enable_gqa: bool = False) -> torch.Tensor:
+                enable_gqa: bool = False, window: int | None = None, documents: bool = False) -> torch.Tensor:
     """Softmax attention [B, heads, T, head_dim] of q [B, heads, T, d] over k, v [B, kv heads, keys, d] where
-    block_mask allows; compiled where torch compiles it (module docstring), the math form elsewhere."""
+    block_mask allows; compiled where torch compiles it (module docstring), the math form elsewhere. window and
+    documents say what the block mask was built from (`attention_block_mask`), for the compiled kernel's self-check on
+    CUDA (`flex_agrees`); where it disagrees with the math form, the math form runs."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if q.device.type != "cpu":
+        if not flex_agrees(q, k, enable_gqa, window, documents):
+            return flex_math(q, k, v, block_mask, enable_gqa)
         return compiled(flex_attention)(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     if q.dtype in COMPILED_CPU_DTYPES and not needs_grad:
         # Static shapes: a second length would otherwise recompile with symbolic ones, which inductor's CPU template
         # turns into C++ that does not compile (torch 2.13).
         return compiled(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     return flex_math(q, k, v, block_mask, enable_gqa)
+
+
+def flex_agrees(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool, window: int | None, documents: bool) -> bool:
+    """The compiled FlexAttention kernel's self-check (lm.ops.self_check) against its math form, outputs and
+    gradients, once per device and shape class: the dtype, the head size, grouped heads or not, and the mask's kind
+    (a window, documents, a KV cache). The input: one row, two query heads, two of FlexAttention's blocks of 128 and
+    an odd tail. It runs through a compiled function of its own and an eager block mask, so that its shapes never
+    reach the compiled kernel and mask of the calls (a second shape would recompile those with dynamic shapes)."""
+    cached, head_dim = k.shape[2] - q.shape[2], q.shape[-1]
+    shape_class = (q.dtype, head_dim, enable_gqa, window is not None, documents, cached > 0)
+
+    def make_inputs(g):
+        T, extra = 2 * 128 + 3, 3 if cached > 0 else 0
+        kv_heads = 1 if enable_gqa else 2
+        document_start = None
+        if documents:
+            steps = torch.arange(T, device=g.device)
+            document_start = torch.where(self_check.resets(1, T, g.device), steps, 0).cummax(-1).values + extra
+        mask_mod = attention_mask_mod(extra, None if window is None else 64, document_start)
+        block_mask = create_block_mask(mask_mod, None if document_start is None else 1, None, T, extra + T,
+                                       device=g.device)
+        return dict(q=self_check.normal(g, 1, 2, T, head_dim, dtype=q.dtype).requires_grad_(),
+                    k=self_check.normal(g, 1, kv_heads, extra + T, head_dim, dtype=k.dtype).requires_grad_(),
+                    v=self_check.normal(g, 1, kv_heads, extra + T, head_dim, dtype=k.dtype).requires_grad_(),
+                    block_mask=block_mask, enable_gqa=enable_gqa)
+
+    return self_check.checked("FlexAttention (compiled)", q.device, shape_class, compiled(_flex_for_check),
+                              flex_math, make_inputs, q.dtype, bounds="flex")
+
+
+def _flex_for_check(q, k, v, block_mask, enable_gqa):
+    """flex_attention through a frame of its own, compiled for the self-check alone (`flex_agrees`)."""
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
 def flex_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,

@@ -18,6 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from lm.ops import self_check
 from lm.ops.kernel_packages import import_kernels
 
 IGNORE = -100
@@ -124,10 +125,37 @@ def head_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     fused = liger_loss() if backend == "liger" or (backend == "auto" and x.is_cuda) else None
     if backend == "liger" and fused is None:
         raise RuntimeError("backend 'liger' needs liger-kernel (pip install 'lm[gpu]')")
-    if fused is not None:
-        out = fused(x, weight, targets, ignore_index=IGNORE, reduction="mean", softcap=soft_cap)
-        return wide(out[0] if isinstance(out, tuple) else out)
+    if fused is not None and _liger_agrees(fused, x, weight, soft_cap, chunk):
+        return _liger_mean(fused, x, weight, targets, soft_cap)
     return _MeanHeadCrossEntropy.apply(x, weight, targets, soft_cap, chunk)
+
+
+def _liger_mean(fused, x, weight, targets, soft_cap):
+    out = fused(x, weight, targets, ignore_index=IGNORE, reduction="mean", softcap=soft_cap)
+    return wide(out[0] if isinstance(out, tuple) else out)
+
+
+def _liger_agrees(fused, x, weight, soft_cap, chunk) -> bool:
+    """liger's self-check (lm.ops.self_check), as tests/test_model_gpu.py compares it, smaller: the loss, dx and dW
+    of 300 tokens (some ignored) over a head of 4099 rows of the call's width, under the caller's autocast (training
+    runs liger under bf16-mixed). Checked whether "auto" picked it or the call named it. The shape class: the dtypes,
+    the width, the autocast dtype, a soft cap or not."""
+    d = x.shape[-1]
+    autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+    shape_class = (x.dtype, weight.dtype, d, autocast, bool(soft_cap))
+
+    def make_inputs(g):
+        N, V = 300, 4099
+        targets = torch.randint(0, V, (N,), generator=g, device=g.device)
+        targets[::7] = IGNORE
+        return dict(x=self_check.normal(g, N, d, dtype=x.dtype).requires_grad_(),
+                    weight=self_check.normal(g, V, d, scale=d ** -0.5, dtype=weight.dtype).requires_grad_(),
+                    targets=targets)
+
+    fast = lambda x, weight, targets: _liger_mean(fused, x, weight, targets, soft_cap)
+    reference = lambda x, weight, targets: _MeanHeadCrossEntropy.apply(x, weight, targets, soft_cap, chunk)
+    return self_check.checked("head cross-entropy (liger fused linear cross-entropy)", x.device, shape_class, fast,
+                              reference, make_inputs, x.dtype, bounds="liger", keep_autocast=True)
 
 
 def head_cross_entropy_reference(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -27,6 +27,7 @@ span it by 0 (`ChunkDocuments`' masks) and the log-decays stay finite.
 
 import torch
 
+from lm.ops import self_check
 from lm.ops.common import (
     ChunkDocuments,
     autocast_off,
@@ -39,7 +40,7 @@ from lm.ops.common import (
     keep_state,
     to_head_chunks,
 )
-from lm.ops.fla import fla_delta_rule, use_fla
+from lm.ops.fla import CHECK_T, fla_agrees, fla_delta_rule, use_fla
 
 
 def delta_rule(
@@ -66,11 +67,44 @@ def delta_rule(
     else torch).
     """
     check_shapes(q, k, v, initial_state, reset=reset, beta=beta, log_alpha=log_alpha)
-    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule",
-                gated_kernel=None if log_alpha is None else "gated_delta_rule"):
+    gated_kernel = None if log_alpha is None else "gated_delta_rule"
+    if use_fla(backend, q, k, v, beta, log_alpha, initial_state, op="delta_rule", gated_kernel=gated_kernel) \
+            and _fla_agrees(q, k, v, beta, log_alpha, scale, initial_state, reset, gated_kernel):
         return fla_delta_rule(q, k, v, beta, log_alpha, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     return _chunkwise(q, k, v, beta, log_alpha, scale, initial_state, reset, chunk_size)
+
+
+def _fla_agrees(q, k, v, beta, log_alpha, scale, initial_state, reset, gated_kernel) -> bool:
+    """fla's self-check for this call's shape class (lm.ops.fla.fla_agrees): the dtypes, the head sizes, gated or
+    not, an initial state and resets or not; the input is as tests/test_ops_gpu.py's, smaller."""
+    K, V = q.shape[-1], v.shape[-1]
+    dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, beta, log_alpha, initial_state))
+    shape_class = (dtypes, K, V, reset is not None)
+
+    def make_inputs(g):
+        B, T, H = 1, CHECK_T, 2
+        return dict(
+            q=self_check.normal(g, B, T, H, K, dtype=q.dtype).requires_grad_(),
+            k=self_check.unit(g, B, T, H, K, dtype=k.dtype).requires_grad_(),
+            v=self_check.normal(g, B, T, H, V, dtype=v.dtype).requires_grad_(),
+            beta=torch.rand(B, T, H, generator=g, device=g.device).to(beta.dtype).requires_grad_(),
+            log_alpha=None if log_alpha is None else self_check.log_decay(g, B, T, H, dtype=log_alpha.dtype)
+            .requires_grad_(),
+            initial_state=None if initial_state is None else self_check.normal(
+                g, B, H, K, V, scale=0.1, dtype=initial_state.dtype).requires_grad_(),
+            reset=None if reset is None else self_check.resets(B, T, q.device),
+        )
+
+    def run(backend):
+        def call(**x):
+            out, state = delta_rule(**x, scale=scale, backend=backend)
+            return dict(out=out, state=state)
+
+        return call
+
+    kernel = "chunk_delta_rule" if gated_kernel is None else "chunk_gated_delta_rule"
+    return fla_agrees("delta_rule", kernel, run, make_inputs, q, shape_class, gated_kernel)
 
 
 def _unit_lower_inverse_forward(a: torch.Tensor) -> torch.Tensor:

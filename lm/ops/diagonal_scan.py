@@ -18,6 +18,7 @@ launches bound a per-step loop.
 
 import torch
 
+from lm.ops import self_check
 from lm.ops.common import (
     autocast_off,
     check_reset,
@@ -27,7 +28,7 @@ from lm.ops.common import (
     pad_to_chunks,
     split_chunks,
 )
-from lm.ops.fla import fla_diagonal_scan, use_fla
+from lm.ops.fla import CHECK_T, fla_agrees, fla_diagonal_scan, use_fla
 
 
 def diagonal_scan(
@@ -47,12 +48,40 @@ def diagonal_scan(
     variable-length form) or "auto" (fla for CUDA bf16/fp16 inputs when it imports, else torch).
     """
     _check_shapes(x, log_a, initial_state, reset)
-    if use_fla(backend, x, log_a, initial_state, op="diagonal_scan"):
+    if use_fla(backend, x, log_a, initial_state, op="diagonal_scan") and _fla_agrees(x, log_a, initial_state, reset):
         return fla_diagonal_scan(x, log_a, initial_state, reset)
     state = _initial_state(initial_state, x)
     keep = None if reset is None else keep_state(reset, state.dtype)[..., None]
     h, state = _chunkwise(x, log_a, keep, state, chunk_size)
     return h.to(x.dtype), state
+
+
+def _fla_agrees(x, log_a, initial_state, reset) -> bool:
+    """fla's self-check for this call's shape class (lm.ops.fla.fla_agrees): the dtypes, the width, an initial state
+    and resets or not; the input is as tests/test_ops_gpu.py's (as fla's own hgrn test builds it), smaller."""
+    D = x.shape[-1]
+    dtypes = tuple(None if t is None else t.dtype for t in (x, log_a, initial_state))
+    shape_class = (dtypes, D, reset is not None)
+
+    def make_inputs(g):
+        B, T = 1, CHECK_T
+        gate = self_check.normal(g, B, T, D)
+        return dict(
+            x=((1 - gate.sigmoid()) * self_check.normal(g, B, T, D)).to(x.dtype).requires_grad_(),
+            log_a=torch.nn.functional.logsigmoid(gate).to(log_a.dtype).requires_grad_(),
+            initial_state=None if initial_state is None else self_check.normal(g, B, D, dtype=initial_state.dtype)
+            .requires_grad_(),
+            reset=None if reset is None else self_check.resets(B, T, x.device),
+        )
+
+    def run(backend):
+        def call(**inputs):
+            out, state = diagonal_scan(**inputs, backend=backend)
+            return dict(out=out, state=state)
+
+        return call
+
+    return fla_agrees("diagonal_scan", "fused_recurrent_hgrn", run, make_inputs, x, shape_class)
 
 
 @autocast_off()

@@ -9,6 +9,8 @@ conventions to fla's (checked against fla-core 0.6.0's source):
 - beta: simple_gla and gla have none, so it is folded into the keys;
 - the final state ([B, H, K, V], or [B, D] for hgrn) is only returned with `output_final_state=True`;
 - resets (packed documents) go through fla's variable-length form, `cu_seqlens` (`_varlen_call`).
+The first use of each kernel per device and shape class is checked once against the torch code (`fla_agrees`,
+lm.ops.self_check); where they disagree, the torch code runs.
 """
 
 import functools
@@ -19,10 +21,14 @@ from collections.abc import Callable
 
 import torch
 
+from lm.ops import self_check
 from lm.ops.common import warn_once
 from lm.ops.kernel_packages import import_kernels
 
 BACKENDS = ("auto", "torch", "fla")
+
+# The self-check's length: two of fla's chunks of 64 and an odd tail.
+CHECK_T = 2 * 64 + 3
 
 # fla's kernels are written for half precision; its delta-rule entry points assert that the inputs are not float32.
 FLA_DTYPES = (torch.bfloat16, torch.float16)
@@ -116,6 +122,18 @@ def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) 
         return True
     warn_once(f"{op}: the torch code runs on CUDA, not fla's kernel: {reason}; {fix}.")
     return False
+
+
+def fla_agrees(op: str, kernel: str, run: Callable[[str], Callable], make_inputs: Callable, like: torch.Tensor,
+               shape_class: tuple, gated_kernel: str | None = None) -> bool:
+    """Whether fla's `kernel` may run `op` here: its self-check against the torch code (lm.ops.self_check), once per
+    device and shape class, with the bound of tests/test_ops_gpu.py. run(backend) is the op with that backend,
+    make_inputs the small seeded input, `like` the call's first tensor (device and dtype). Checked whether "auto"
+    picked fla or the call named it: a named backend asks for the same numbers, faster. Where fla refuses the gated
+    kernel's backward (`fla_refuses_gated_backward`), only the forward is compared: the backward would raise."""
+    grads = not (gated_kernel and fla_refuses_gated_backward(gated_kernel))
+    return self_check.checked(f"{op} (fla {kernel})", like.device, (*shape_class, "grads" if grads else "forward"),
+                              run("fla"), run("torch"), make_inputs, like.dtype, bounds="fla", grads=grads)
 
 
 def parameters(fn) -> dict[str, inspect.Parameter]:

@@ -14,6 +14,7 @@ input dtype. Both take `reset` [B, T] bool: where True, S_{t-1} := 0 before step
 
 import torch
 
+from lm.ops import self_check
 from lm.ops.common import (
     ChunkDocuments,
     autocast_off,
@@ -26,7 +27,7 @@ from lm.ops.common import (
     keep_state,
     to_head_chunks,
 )
-from lm.ops.fla import fla_linear_attention, use_fla
+from lm.ops.fla import CHECK_T, fla_agrees, fla_linear_attention, use_fla
 
 
 def linear_attention(
@@ -59,8 +60,9 @@ def linear_attention(
     """
     check_shapes(q, k, v, initial_state, per_key=("log_gamma",), reset=reset, log_gamma=log_gamma, beta=beta)
     per_key = log_gamma.dim() == 4
-    if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention",
-               gated_kernel=None if per_key else "simple_gla"):
+    gated_kernel = None if per_key else "simple_gla"
+    if use_fla(backend, q, k, v, log_gamma, beta, initial_state, op="linear_attention", gated_kernel=gated_kernel) \
+            and _fla_agrees(q, k, v, log_gamma, beta, scale, initial_state, reset, gated_kernel):
         return fla_linear_attention(q, k, v, log_gamma, beta, scale, initial_state, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
     if per_key:
@@ -68,6 +70,39 @@ def linear_attention(
         chunk_size = -(-chunk_size // sub_chunk) * sub_chunk  # a whole number of sub-chunks
         return _chunkwise_per_key(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size, sub_chunk)
     return _chunkwise(q, k, v, log_gamma, beta, scale, initial_state, reset, chunk_size)
+
+
+def _fla_agrees(q, k, v, log_gamma, beta, scale, initial_state, reset, gated_kernel) -> bool:
+    """fla's self-check for this call's shape class (lm.ops.fla.fla_agrees): the dtypes, the head sizes, a per-key
+    decay or not, beta, an initial state and resets or not; the input is as tests/test_ops_gpu.py's, smaller."""
+    K, V, per_key = q.shape[-1], v.shape[-1], log_gamma.dim() == 4
+    dtypes = tuple(None if t is None else t.dtype for t in (q, k, v, log_gamma, beta, initial_state))
+    shape_class = (dtypes, K, V, per_key, reset is not None)
+
+    def make_inputs(g):
+        B, T, H = 1, CHECK_T, 2
+        decay_shape = (B, T, H, K) if per_key else (B, T, H)
+        return dict(
+            q=self_check.normal(g, B, T, H, K, dtype=q.dtype).requires_grad_(),
+            k=self_check.unit(g, B, T, H, K, dtype=k.dtype).requires_grad_(),
+            v=self_check.normal(g, B, T, H, V, dtype=v.dtype).requires_grad_(),
+            log_gamma=self_check.log_decay(g, *decay_shape, dtype=log_gamma.dtype).requires_grad_(),
+            beta=None if beta is None else torch.rand(B, T, H, generator=g, device=g.device).to(beta.dtype)
+            .requires_grad_(),
+            initial_state=None if initial_state is None else self_check.normal(
+                g, B, H, K, V, scale=0.1, dtype=initial_state.dtype).requires_grad_(),
+            reset=None if reset is None else self_check.resets(B, T, q.device),
+        )
+
+    def run(backend):
+        def call(**x):
+            out, state = linear_attention(**x, scale=scale, backend=backend)
+            return dict(out=out, state=state)
+
+        return call
+
+    return fla_agrees("linear_attention", "chunk_gla" if per_key else "chunk_simple_gla", run, make_inputs, q,
+                      shape_class, gated_kernel)
 
 
 def _scan_chunks(state, chunk_decay, chunk_states):

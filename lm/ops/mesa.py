@@ -47,8 +47,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from lm.ops import self_check
 from lm.ops.common import (
     ChunkDocuments,
     autocast_off,
@@ -107,7 +109,8 @@ def mesa(
     fixed step count, no info, no resets; see lm/ops/fla_mesa.py) or "auto": triton on CUDA where Triton imports and
     takes the head sizes (saying once when not), else this code. fla's solver is not the same algorithm (other warm
     start, damped step sizes), so it is only used when asked for. With cg_steps=0 the backend is passed on to
-    `linear_attention` ("triton" as "auto").
+    `linear_attention` ("triton" as "auto"). The first use of "triton" or "fla" per device and shape class checks
+    the kernels once against this code (lm.ops.self_check); where they disagree, this code runs.
     """
     _check_inputs(q, k, v, log_gamma, beta, lam, initial_state, cg_steps, cg_tol, reset)
     chunk_size = effective_chunk_size(chunk_size, q.shape[1])
@@ -115,9 +118,14 @@ def mesa(
     if cg_steps == 0:
         return _linear_attention_readout(q, k, v, log_gamma, beta, initial_state, reset, chunk_size, return_info,
                                          "auto" if backend == "triton" else backend)
+    if backend == "triton" and not _triton_agrees(q, k, v, log_gamma, beta, lam, cg_steps, cg_tol, reset,
+                                                  chunk_size):
+        backend = "torch"
     if backend == "fla":
         fla_mesa_check(q, k, v, cg_tol=cg_tol, return_info=return_info, reset=reset)
-        return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
+        if _fla_agrees(q, k, v, log_gamma, beta, lam, initial_state, chunk_size):
+            return fla_mesa(q, k, v, log_gamma, beta, lam, cg_steps, initial_state)
+        backend = "torch"
 
     G0, H0 = _initial_state(initial_state, q, v.shape[-1], compute_dtype(q))
     info = {} if return_info else None  # the forward fills it; the backward adds the adjoint solve's entries
@@ -153,6 +161,81 @@ def _resolve_backend(backend: str, on_cuda: bool, K: int, V: int) -> str:
             raise RuntimeError("mesa: backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 to run the kernels "
                                "on the CPU")
     return backend
+
+
+def _triton_agrees(q, k, v, log_gamma, beta, lam, cg_steps, cg_tol, reset, chunk_size) -> bool:
+    """The kernels' self-check (lm.ops.self_check): the first call of a shape class on a device runs them once
+    against the torch code on a small seeded input (one batch row, two heads, two chunks and an odd tail, a carried
+    state, resets where the call has them), in the call's dtypes, with the call's step count and tolerance. A
+    backend named "triton" is checked as "auto"'s is: it asks for the same numbers, faster (the CPU tests reach the
+    kernels this way, under the interpreter). The shape class is what the kernels are compiled for: the dtypes, the
+    head sizes (their blocks and the kernels' chunk follow), resets or not, a tolerance or not."""
+    K, V = q.shape[-1], v.shape[-1]
+    chunk = _triton_kernels().kernel_chunk(chunk_size, K, V)
+    dtypes = tuple(t.dtype for t in (q, k, v, log_gamma, beta, lam))
+    shape_class = (dtypes, K, V, chunk, reset is not None, cg_tol is not None)
+    T = 2 * chunk + 3
+
+    def make_inputs(g):
+        B, H = 1, 2
+        M = self_check.normal(g, B, H, K, 2 * K)
+        return dict(
+            q=self_check.unit(g, B, T, H, K, dtype=q.dtype).requires_grad_(),
+            k=self_check.unit(g, B, T, H, K, dtype=k.dtype).requires_grad_(),
+            v=self_check.normal(g, B, T, H, V, dtype=v.dtype).requires_grad_(),
+            log_gamma=self_check.log_decay(g, B, T, H, dtype=log_gamma.dtype).requires_grad_(),
+            beta=torch.sigmoid(self_check.normal(g, B, T, H)).to(beta.dtype).requires_grad_(),
+            lam=(0.25 + F.softplus(self_check.normal(g, H, K))).to(lam.dtype).requires_grad_(),
+            G0=self_check.normal(g, B, H, V, K, scale=0.1).requires_grad_(),
+            H0=(M @ M.mT / K).requires_grad_(),
+            reset=None if reset is None else self_check.resets(B, T, q.device),
+        )
+
+    def run(backend):
+        def call(q, k, v, log_gamma, beta, lam, G0, H0, reset):
+            out, (G, Hs) = mesa(q, k, v, log_gamma, beta, lam, cg_steps=cg_steps, cg_tol=cg_tol, initial_state=(G0, H0),
+                                reset=reset, chunk_size=chunk_size, backend=backend)
+            return dict(out=out, G=G, H=Hs)
+
+        return call
+
+    return self_check.checked("mesa_triton", q.device, shape_class, run("triton"), run("torch"), make_inputs, q.dtype)
+
+
+def _fla_agrees(q, k, v, log_gamma, beta, lam, initial_state, chunk_size) -> bool:
+    """The self-check of fla's chunk_mesa_net (named only: "auto" never takes it), as tests/test_ops_gpu_mesa.py's
+    test_fla_matches_torch, smaller: its CG is not ours, so both run the 30 steps of that test, where both have
+    converged, whatever the call's step count. The shape class: the dtypes, K (= V), an initial state or not."""
+    K = q.shape[-1]
+    dtypes = tuple(t.dtype for t in (q, k, v, log_gamma, beta, lam))
+    shape_class = (dtypes, K, initial_state is not None)
+
+    def make_inputs(g):
+        B, T, H = 1, 2 * 64 + 3, 2  # two of fla's chunks of 64 and an odd tail
+        M = self_check.normal(g, B, H, K, K)
+        x = dict(
+            q=self_check.unit(g, B, T, H, K, dtype=q.dtype).requires_grad_(),
+            k=self_check.unit(g, B, T, H, K, dtype=k.dtype).requires_grad_(),
+            v=self_check.normal(g, B, T, H, K, dtype=v.dtype).requires_grad_(),
+            log_gamma=self_check.log_decay(g, B, T, H, dtype=log_gamma.dtype).requires_grad_(),
+            beta=torch.sigmoid(self_check.normal(g, B, T, H)).to(beta.dtype).requires_grad_(),
+            lam=(0.25 + F.softplus(self_check.normal(g, H, K))).to(lam.dtype).requires_grad_(),
+        )
+        if initial_state is not None:
+            x.update(G0=self_check.normal(g, B, H, K, K, scale=0.1).requires_grad_(),
+                     H0=(M @ M.mT / K).requires_grad_())
+        return x
+
+    def run(backend):
+        def call(G0=None, H0=None, **x):
+            out, (G, Hs) = mesa(**x, cg_steps=30, initial_state=None if G0 is None else (G0, H0),
+                                chunk_size=chunk_size, backend=backend)
+            return dict(out=out, G=G, H=Hs)
+
+        return call
+
+    return self_check.checked("mesa (fla chunk_mesa_net)", q.device, shape_class, run("fla"), run("torch"),
+                              make_inputs, q.dtype, bounds="fla_mesa")
 
 
 @functools.cache

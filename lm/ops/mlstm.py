@@ -33,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lm.ops import self_check
 from lm.ops.common import (
     autocast_off,
     check_shapes,
@@ -77,7 +78,8 @@ def mlstm(
     """
     _check_inputs(q, k, v, i_pre, f_pre, initial_state, reset)
     torch_chunk_size = effective_chunk_size(chunk_size, q.shape[1])  # the kernel takes the asked-for size
-    if _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset):
+    if _use_mlstm_kernels(backend, q, k, v, initial_state, chunk_size, reset) \
+            and _kernel_agrees(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size):
         return _mlstm_kernels_chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size)
     return _chunkwise(q, k, v, i_pre, f_pre, eps, initial_state, torch_chunk_size, reset)
 
@@ -340,6 +342,42 @@ def _kernel_unusable_reason(q, k, v, initial_state, chunk_size, reset=None) -> s
     if _mlstm_kernels_chunkwise_fn() is None:
         return "mlstm_kernels (with Triton) is not importable"
     return None
+
+
+def _kernel_agrees(q, k, v, i_pre, f_pre, eps, initial_state, chunk_size) -> bool:
+    """The kernel's self-check (lm.ops.self_check; it runs only by name, so that is where it is checked), as
+    tests/test_ops_gpu_mlstm.py compares it, smaller: the output, the final states and the gradients of k, v and the
+    gates (not dq, which is known to differ: `_kernel_unusable_reason`). The shape class: the dtypes, the head sizes,
+    the kernel's chunking (a short T is one chunk of T, a long one chunks of chunk_size), an initial state or not."""
+    T, K, V = q.shape[1], q.shape[-1], v.shape[-1]
+    check_T = T if T < 128 else max(128, 2 * chunk_size)  # the kernel takes T in {16, 32, 64} or multiples of chunks
+    dtypes = tuple(t.dtype for t in (q, k, v, i_pre, f_pre))
+    shape_class = (dtypes, K, V, T if T < 128 else f"chunks of {chunk_size}", initial_state is not None, eps)
+
+    def make_inputs(g):
+        B, H = 1, 2
+        x = dict(
+            q=self_check.normal(g, B, check_T, H, K, dtype=q.dtype),  # dq is not compared
+            k=self_check.normal(g, B, check_T, H, K, dtype=k.dtype).requires_grad_(),
+            v=self_check.normal(g, B, check_T, H, V, dtype=v.dtype).requires_grad_(),
+            i_pre=self_check.normal(g, B, check_T, H, scale=2.0, dtype=i_pre.dtype).requires_grad_(),
+            f_pre=(2 + self_check.normal(g, B, check_T, H, scale=1.5)).to(f_pre.dtype).requires_grad_(),
+        )
+        if initial_state is not None:  # the kernel takes no gradient for it
+            x["state"] = (self_check.normal(g, B, H, K, V), self_check.normal(g, B, H, K).abs(),
+                          self_check.normal(g, B, H))
+        return x
+
+    def run(backend):
+        def call(state=None, **x):
+            out, (C, n, m) = mlstm(**x, eps=eps, initial_state=state, chunk_size=chunk_size, backend=backend)
+            # Only the output is differentiated: the kernel's backward ignores gradients into the final n~ and m.
+            return dict(out=out, C=C.detach(), n=n.detach(), m=m.detach())
+
+        return call
+
+    return self_check.checked("mlstm (mlstm_kernels chunkwise--triton_xl_chunk)", q.device, shape_class,
+                              run("mlstm_kernels"), run("torch"), make_inputs, q.dtype, bounds="mlstm_kernels")
 
 
 @functools.cache

@@ -19,7 +19,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lm.data_prep.shards import sha256_file
-from lm.errors import UserError
+from lm.errors import CheckpointWriteFailed, UserError
+from lm.training.data_only import require_data_only
 
 STEP_NAME = re.compile(r"^step=(\d+)\.ckpt$")
 CONTENTS = "lm-checkpoint.json"
@@ -58,23 +59,50 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             _remove(tmp)  # left by a crash
         trainer.strategy.barrier()
-        trainer.save_checkpoint(tmp, self.save_weights_only)  # ends with a barrier: every rank has written
-        if trainer.is_global_zero:
-            _remove(final)  # a checkpoint of the same step saved again
-            # A single file's manifest is written under its final name first: a crash before the rename leaves only
-            # a manifest without its checkpoint, which nothing lists.
-            write_manifest(tmp, tmp / CONTENTS if tmp.is_dir() else manifest_of(final))
-            _fsync_tree(tmp)
-            if tmp.is_file():
-                _fsync_tree(manifest_of(final))
-            os.replace(tmp, final)
-            self._prune(trainer.global_step)
+        error = None
+        try:
+            trainer.save_checkpoint(tmp, self.save_weights_only)  # ends with a barrier: every rank has written
+            error = _pop_write_error(trainer.strategy)
+            if error is None and trainer.is_global_zero:
+                self._commit(tmp, final, trainer.global_step)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            error = write_error_in(err)
+            if error is None:
+                raise
+        # Every rank learns of a failure on any rank, and all end together (rank 0's line says it).
+        if trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+            self._give_up(trainer, tmp, final, error)
         trainer.strategy.barrier()
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = str(final)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(self)
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0, once every rank has written `tmp`: manifest, flush to the disk, rename to `final`, prune."""
+        _remove(final)  # a checkpoint of the same step saved again
+        # A single file's manifest is written under its final name first: a crash before the rename leaves only
+        # a manifest without its checkpoint, which nothing lists.
+        write_manifest(tmp, tmp / CONTENTS if tmp.is_dir() else manifest_of(final))
+        _fsync_tree(tmp)
+        if tmp.is_file():
+            _fsync_tree(manifest_of(final))
+        os.replace(tmp, final)
+        self._prune(step)
+
+    def _give_up(self, trainer, tmp: Path, final: Path, error: OSError | None) -> None:
+        """A write failed (a full disk): remove what it left, name the newest whole checkpoint, end the run."""
+        if trainer.is_global_zero:
+            _remove(tmp)
+            if not final.exists():
+                manifest_of(final).unlink(missing_ok=True)
+        trainer.strategy.barrier()
+        newest = newest_checkpoint(self.dirpath, warn=False)
+        reason = f"{error.strerror or error}" if error is not None else "another rank's write failed"
+        resume = f"resume from {newest} once there is room" if newest else "no earlier checkpoint to resume from"
+        raise CheckpointWriteFailed(f"cannot write checkpoint {final.name} in {self.dirpath} ({reason}); the "
+                                    f"partial copy was removed; {resume}", rank=trainer.global_rank)
 
     def _prune(self, step: int) -> None:
         """Keep the newest `keep_last` up to `step`. Lightning's own top-k list starts afresh at every launch, so
@@ -94,6 +122,31 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module):
         if not self._should_skip_saving_checkpoint(trainer):  # the last step, unless `every` divided it
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def _pop_write_error(strategy) -> OSError | None:
+    """The OSError a single-file save kept (lm.training.checkpoint_io.StreamingCheckpointIO), once."""
+    checkpoint_io = strategy.checkpoint_io
+    error = getattr(checkpoint_io, "write_error", None)
+    if error is not None:
+        checkpoint_io.write_error = None
+    return error
+
+
+def write_error_in(err: BaseException) -> OSError | None:
+    """The OSError behind a failed save, if that is what failed: raised itself, the cause of a library's error, or
+    among the failures that torch.distributed.checkpoint gathers from every rank."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return err
+        for failure in getattr(err, "failures", {}).values():  # DCP's CheckpointException: rank -> exception
+            found = write_error_in(failure[0] if isinstance(failure, tuple) else failure)
+            if found is not None:
+                return found
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _remove(path: Path) -> None:
@@ -176,7 +229,14 @@ def run_dir_of(checkpoint: str | Path) -> Path:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint path, or a run directory's newest checkpoint."""
+    """A checkpoint path, or a run directory's newest checkpoint; whole, and holding nothing but data
+    (lm.training.data_only), checked before the caller reads or writes anything."""
+    found = _whole_checkpoint(path)
+    require_data_only(found)
+    return found
+
+
+def _whole_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir() and not STEP_NAME.match(path.name) and not (path / CONTENTS).exists():
         found = newest_checkpoint(path / "checkpoints") or newest_checkpoint(path)

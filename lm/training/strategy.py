@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
 from lm.errors import UserError
+from lm.training.checkpoint_io import stream_save
 
 NAMES = ("auto", "single", "ddp", "deepspeed", "fsdp")
 
@@ -71,7 +72,28 @@ class StrategyConfig:
         return self.precision or ("bf16-mixed" if self.on_gpu else "32-true")
 
 
-class CPUDeepSpeedStrategy(DeepSpeedStrategy):
+class StreamingDeepSpeedStrategy(DeepSpeedStrategy):
+    """DeepSpeed whose shards are written as lm writes a single file (lm.training.checkpoint_io.stream_save): through
+    a Python file, so a failed write (a full disk) raises its OSError rather than torch's RuntimeError."""
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+        stream_deepspeed_saves(engine)
+        return engine, ds_optimizer
+
+
+def stream_deepspeed_saves(engine) -> None:
+    """DeepSpeed's default (torch) checkpoint engine saves through stream_save; another engine keeps its own."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    def save(state_dict, path):  # DeepSpeed passes both by keyword
+        stream_save(state_dict, path)
+
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        engine.checkpoint_engine.save = save
+
+
+class CPUDeepSpeedStrategy(StreamingDeepSpeedStrategy):
     """DeepSpeed on CPU processes with gloo, for tests and debugging only (production runs use GPUs).
 
     Lightning refuses DeepSpeed without CUDA; DeepSpeed itself runs ZeRO 1-3 on CPU. This skips Lightning's
@@ -97,6 +119,7 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
             model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
+        stream_deepspeed_saves(engine)
         return engine, ds_optimizer
 
 
@@ -141,5 +164,5 @@ def build_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: in
         return ModelParallelStrategy(data_parallel_size=processes * cfg.num_nodes, tensor_parallel_size=1,
                                      save_distributed_checkpoint=True)
     settings = deepspeed_settings(cfg, grad_clip, micro_batch)
-    strategy = DeepSpeedStrategy if cfg.on_gpu else CPUDeepSpeedStrategy
+    strategy = StreamingDeepSpeedStrategy if cfg.on_gpu else CPUDeepSpeedStrategy
     return strategy(config=settings, process_group_backend=backend)

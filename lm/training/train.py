@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import ProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -29,9 +28,11 @@ from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.source_tokens import LogSourceTokens
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
+from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
 from lm.training.config import RunConfig
 from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
 from lm.training.data import CountConsumedWindows, TokenDataModule, count_windows
+from lm.training.data_only import reading_data_only, require_data_only
 from lm.training.launch_guard import RunDirLock, check_slurm_launch
 from lm.training.module import LMModule
 from lm.training.stop_request import StoppedForRequeue
@@ -106,10 +107,13 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
         newest = newest_checkpoint(run_dir / "checkpoints")
         if newest is None and resume == "last":
             raise UserError(f"--resume last: no checkpoint in {run_dir / 'checkpoints'} (or none usable)")
-        return newest
-    if not Path(resume).exists():
+    elif not Path(resume).exists():
         raise UserError(f"--resume: checkpoint {resume} not found")
-    return require_usable(resume)
+    else:
+        newest = require_usable(resume)
+    if newest is not None:
+        require_data_only(newest)
+    return newest
 
 
 def target_format(cfg: StrategyConfig) -> str:
@@ -152,7 +156,7 @@ def weights_only_checkpoint(checkpoint: Path, config: RunConfig) -> Path:
     full["optimizer_states"] = [module.configure_optimizers()["optimizer"].state_dict()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    torch.save(full, tmp)
+    stream_save(full, tmp)
     os.replace(tmp, out)
     return out
 
@@ -203,6 +207,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         callbacks.append(InjectFaults(faults))
     # lm handles SIGUSR1 itself (GracefulStop); Lightning's SLURM requeue would race with it.
     plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+    plugins.append(StreamingCheckpointIO())  # single files: one streamed write, weights-only reads
     return L.Trainer(
         accelerator=st.accelerator, devices=st.devices, num_nodes=st.num_nodes,
         strategy=build_strategy(st, config.optim.grad_clip, config.data.micro_batch),
@@ -268,7 +273,8 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
         if "SLURM_JOB_ID" in os.environ:
             print(f"lm train: SLURM job {os.environ['SLURM_JOB_ID']}, restart "
                   f"{os.environ.get('SLURM_RESTART_COUNT', 0)}", file=sys.stderr)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with reading_data_only():  # Lightning's, DeepSpeed's and DCP's own reads of the checkpoint too
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if stability.diverged_at is not None:
         raise Diverged(f"stopped at step {stability.diverged_at}: the gradients of {config.trainer.stop_after_skips} "
                        "steps in a row were not finite (each was skipped); a checkpoint of that step is in "

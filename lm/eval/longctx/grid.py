@@ -74,11 +74,13 @@ def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
     out_dir = Path(out) if out else run_dir_of(checkpoint) / "eval" / f"longctx-{haystack}"
     examples = {probe: [(length, depth, make_example(probe, tokenizer, length, depth, seed * 1000 + i, haystack))
                         for length in lengths for depth in depths for i in range(samples)] for probe in probes}
+    # The checkpoint is read (and refused, if it is not plain data) before anything is written.
+    model = None if tasks_only else LMHarness(checkpoint=checkpoint, device=device,
+                                              max_length=max(lengths) + max_new_tokens)
     tasks = write_tasks(examples, out_dir / "lm_eval", haystack, max_new_tokens)
     print(f"lm-eval tasks {', '.join(tasks)} in {out_dir / 'lm_eval'}")
     if tasks_only:
         return []
-    model = LMHarness(checkpoint=checkpoint, device=device, max_length=max(lengths) + max_new_tokens)
     rows = []
     for probe, cells in examples.items():
         with open(out_dir / f"{probe}-outputs.jsonl", "w") as outputs_file:

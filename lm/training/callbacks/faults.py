@@ -11,12 +11,16 @@ with nothing else changed (not the data, not the code under test).
   process ends there, nothing of lm's runs after it). At `step:N` it comes before step N's checkpoint is written
   (Lightning runs checkpoint callbacks last): `kill@step:3` with a checkpoint every 2 steps leaves step 2's newest.
   (The interpreter's own shutdown comes after anything here could run: tests send those notices from outside.)
+- `enospc@step:N` makes the checkpoint written at step N fail with ENOSPC once part of it is on disk, as a disk that
+  fills up would: single files and DeepSpeed's shards (both written by lm.training.checkpoint_io.stream_save), on
+  every rank. FSDP2's shards are written by torch.distributed.checkpoint itself: test them on a small real disk.
 - `nan_grad@N` makes every gradient of optimizer step N (0-based, the trainer's global_step then) NaN, as a
   diverging step would; on every rank, so that they agree as real non-finite gradients (all-reduced) would.
 
 Unset, nothing is added to the Trainer.
 """
 
+import errno
 import os
 import signal
 
@@ -24,6 +28,7 @@ import lightning as L
 import torch
 
 from lm.errors import UserError
+from lm.training.checkpoint_io import fail_next_save
 
 ENV = "LM_FAULTS"
 MOMENTS = ("fit_start", "validation", "checkpoint", "train_end")
@@ -36,9 +41,11 @@ def planned() -> list[tuple[str, str]]:
     for entry in filter(None, os.environ.get(ENV, "").split(",")):
         kind, _, where = entry.strip().partition("@")
         moment = where in MOMENTS or (where.startswith("step:") and where[5:].isdigit())
-        if not ((kind in SIGNALS and moment) or (kind == "nan_grad" and where.isdigit())):
+        step = where.startswith("step:") and where[5:].isdigit()
+        if not ((kind in SIGNALS and moment) or (kind == "nan_grad" and where.isdigit()) or
+                (kind == "enospc" and step)):
             raise UserError(f"{ENV}: cannot read {entry!r} (signal@MOMENT, sigterm@MOMENT or kill@MOMENT with "
-                            f"MOMENT in {', '.join(MOMENTS)} or step:N, or nan_grad@N)")
+                            f"MOMENT in {', '.join(MOMENTS)} or step:N, nan_grad@N, or enospc@step:N)")
         faults.append((kind, where))
     return faults
 
@@ -47,6 +54,7 @@ class InjectFaults(L.Callback):
     def __init__(self, faults: list[tuple[str, str]]):
         self.signal_at = {where: SIGNALS[kind] for kind, where in faults if kind in SIGNALS}
         self.nan_steps = {int(where) for kind, where in faults if kind == "nan_grad"}
+        self.full_disk_at = {int(where[5:]) for kind, where in faults if kind == "enospc"}
 
     def _signal(self, moment: str) -> None:
         if moment in self.signal_at:
@@ -63,6 +71,9 @@ class InjectFaults(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         self._signal("checkpoint")
+        if trainer.global_step in self.full_disk_at:  # called as the checkpoint is built, just before it is written
+            self.full_disk_at.discard(trainer.global_step)
+            fail_next_save(errno.ENOSPC)
 
     def on_train_end(self, trainer, pl_module):
         self._signal("train_end")

@@ -1,0 +1,78 @@
+"""A checkpoint that cannot be written (a full disk) ends the run in one line, with exit status 74, naming the error,
+the directory and the newest whole checkpoint; the partial copy is removed; a rerun with room resumes from that
+checkpoint to the weights of a run never interrupted.
+
+On a real small filesystem (a tmpfs, mounted as root: CI runs as root) for a single file, DeepSpeed's shards and
+FSDP2's; elsewhere through LM_FAULTS (enospc@step:N), which fails a write once part of the file is on disk."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command
+
+from lm.errors import WRITE_FAILED_EXIT_CODE
+from lm.training.consolidate import consolidate
+
+FIRST, FULL = "step=00000002.ckpt", "step=00000004.ckpt"
+
+
+def train(config: Path, run_dir: Path, flags: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(lm_command("train", "--config", str(config), "--run_dir", str(run_dir), *flags),
+                          env={**environment(), **env}, capture_output=True, text=True, timeout=600)
+
+
+def assert_ends_in_one_line(result: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """Exit 74; the last line says it all; step 2's checkpoint is whole and step 4's partial copy is gone."""
+    assert result.returncode == WRITE_FAILED_EXIT_CODE, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    checkpoints = run_dir / "checkpoints"
+    assert last == (f"lm train: error: cannot write checkpoint {FULL} in {checkpoints} (No space left on device); "
+                    f"the partial copy was removed; resume from {checkpoints / FIRST} once there is room"), last
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".json")) == [FIRST]
+
+
+def assert_resumes_to(run_dir: Path, config: Path, flags: list[str], uninterrupted: Path) -> None:
+    result = train(config, run_dir, flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from {run_dir / 'checkpoints' / FIRST}" in result.stderr
+    ours, theirs = consolidate(run_dir / "checkpoints" / FULL)[0], consolidate(uninterrupted / "checkpoints" / FULL)[0]
+    assert all(ours[k].equal(theirs[k]) for k in theirs)
+
+
+def test_an_injected_full_disk_ends_in_one_line_and_resumes(strategy_runs, tmp_path):
+    run = tmp_path / "run"
+    result = train(strategy_runs["config"], run, ONE_PROCESS, LM_FAULTS="enospc@step:4")
+    assert_ends_in_one_line(result, run)
+    assert_resumes_to(run, strategy_runs["config"], ONE_PROCESS, strategy_runs["single"])
+
+
+def _mount_tmpfs(where: Path, size_bytes: int) -> bool:
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["single", "zero2", "fsdp2"])
+def test_a_real_full_disk_ends_in_one_line_and_resumes(name, strategy_runs, tmp_path):
+    """The disk holds the run and one checkpoint, not two (sized from the same run's step-2 checkpoint)."""
+    flags = ONE_PROCESS if name == "single" else STRATEGIES[name]
+    first = strategy_runs[name] / "checkpoints" / FIRST
+    size = sum(p.stat().st_size for p in ([first] if first.is_file() else first.rglob("*")))
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, int(1.4 * size) + 256 * 1024):
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root and must mount a tmpfs")
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        result = train(strategy_runs["config"], disk / "run", flags)
+        assert_ends_in_one_line(result, disk / "run")
+        shutil.copytree(disk / "run", tmp_path / "run")  # the run moved to a disk with room
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert_resumes_to(tmp_path / "run", strategy_runs["config"], flags, strategy_runs[name])
