@@ -28,7 +28,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # a worker takes a whole test file, so that a module's fixtures are made once, and the next file in this order when it
 # is done. The files with the longest fixtures or launches go first, so that neither worker is left with a long one at
 # the end while the other idles; the rest follow in pytest's order.
-LONG_FILES = ["test_scale_out", "test_mqar", "test_slurm", "test_train", "test_harness", "test_gpu_script",
+LONG_FILES = ["test_scale_out", "test_mqar", "test_slurm", "test_train", "test_full_disk", "test_harness",
+              "test_kernel_self_check", "test_gpu_script",
               "test_ladder", "test_progress"]
 
 
