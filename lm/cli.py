@@ -39,12 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     if name in word_groups() and (len(argv) == 1 or argv[1].startswith("-")):  # `lm eval`: the group's commands
         print(usage(name))
-        if argv[1:2] in (["-h"], ["--help"]):
+        if argv[1:] in ([], ["-h"], ["--help"]):
             return 0
         print(f"lm {name}: error: name one of its commands: {', '.join(members(name))}", file=sys.stderr)
         return 2
     try:
         name, rest = find_command(argv)
+    except UserError as err:  # `lm evl`, `lm eval pll`: said by lm, or by the group whose command is unknown
+        print(f"lm{' ' + name if name in word_groups() else ''}: error: {err}", file=sys.stderr)
+        return 2
+    try:
         fn = load_command(name)
         result = fn(rest) if name in OWN_ARGV else call_with_args(fn, rest, f"lm {name}", name in POSITIONAL)
         if name == "generate":
@@ -53,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lm {name}: error: {err}", file=sys.stderr)
         return 2
     except StoppedForRequeue as stop:
-        print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
-              file=sys.stderr)
+        if stop_request.is_rank_zero():  # every rank stops; one says so
+            print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
+                  file=sys.stderr)
         return STOPPED_EXIT_CODE
     except CheckpointWriteFailed as err:
         if err.rank == 0:

@@ -2,6 +2,7 @@
 it, and how a command's function and parser are found. A command's module is imported by name only when it runs, so
 this module stays in the foundation: it imports nothing of lm above it."""
 
+import difflib
 import importlib
 from collections.abc import Callable
 from typing import NamedTuple
@@ -53,6 +54,8 @@ COMMANDS = {
                               "accuracy against recurrent state size", "eval"),
     "eval icl": Command("lm.eval.icl:icl", "in-context linear regression: each mixer's loss by position against "
                         "ridge and one GD step", "eval"),
+    "eval tasks": Command("lm.eval.shipped_tasks:eval_tasks", "lm's own lm-eval tasks: names and folder (--path "
+                          "true: the folder for lm_eval --include_path)", "eval"),
     "compare plan": Command("lm.compare.plan:plan", "shapes matched in parameters or FLOPs, tokens per budget, "
                             "configs + a sweep per lr and seed", "compare"),
     "compare report": Command("lm.compare.report:report_from_args", "runs side by side (best lr per architecture): "
@@ -83,9 +86,8 @@ COMMANDS = {
                                 "memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)", "bench"),
     "bench compile": Command("lm.bench.compile_speed:bench_compile", "eager vs torch.compile'd training steps per "
                              "mixer: speedup, compile time, graph breaks", "bench"),
-    "bench checkpoint-save": Command("lm.bench.checkpoint_save:bench_checkpoint_save", "a checkpoint save's extra "
-                                     "host memory and bytes written outside the run directory: lm's vs Lightning's "
-                                     "writer", "bench"),
+    "bench checkpoint-save": Command("lm.bench.checkpoint_save:bench_checkpoint_save", "a save's extra host memory "
+                                     "and bytes written elsewhere: lm's vs Lightning's writer", "bench"),
     "bench self-check": Command("lm.bench.self_check_cost:bench_self_check", "the fast paths' self-check: one "
                                 "check of Mesa's Triton kernels vs the call it guards", "bench"),
     "bench hf-generate": Command("lm.bench.hf_generate:bench_hf_generate", "transformers' generate() on lm models "
@@ -138,10 +140,15 @@ def find_command(argv: list[str]) -> tuple[str, list[str]]:
     groups = word_groups()
     if argv[0] not in groups:
         names = [name for name in COMMANDS if " " not in name] + [group for group in GROUPS if group in groups]
+        close = [name for name in COMMANDS if name.split()[-1] == argv[0]] or \
+            difflib.get_close_matches(argv[0], names, n=1, cutoff=0.6)  # `lm ppl`: lm eval ppl; `lm evl`: eval
+        if close:
+            raise UserError(f"unknown command {argv[0]!r}; did you mean {close[0]!r}? (lm --help lists them all)")
         raise UserError(f"unknown command {argv[0]!r}; one of: {', '.join(names)} (lm --help lists them all)")
     wanted = " ".join(argv[:2])
     elsewhere = [name for name in COMMANDS if argv[1:2] and name.split()[-1] == argv[1] and name != wanted]
-    hint = f"; did you mean lm {elsewhere[0]}?" if elsewhere else ""
+    close = difflib.get_close_matches(argv[1], members(argv[0]), n=1, cutoff=0.6) if argv[1:2] else []
+    hint = f"; did you mean lm {elsewhere[0]}?" if elsewhere else f"; did you mean {close[0]!r}?" if close else ""
     raise UserError(f"unknown command {wanted!r}{hint} (lm {argv[0]} has: {', '.join(members(argv[0]))})")
 
 
@@ -153,7 +160,8 @@ def load_command(name: str) -> Callable:
 
 def function_parser(fn: Callable, prog: str, positional: bool = False) -> ArgumentParser:
     """A parser of fn's signature (and --config YAML); required arguments by position if `positional`."""
-    parser = ArgumentParser(prog=prog, exit_on_error=False, description=(fn.__doc__ or "").split("\n")[0])
+    parser = ArgumentParser(prog=prog, exit_on_error=False, allow_abbrev=False,  # --step is no --steps
+                            description=(fn.__doc__ or "").split("\n")[0])
     parser.add_argument("--config", action=ActionConfigFile)
     parser.add_function_arguments(fn, as_positional=positional)
     return parser

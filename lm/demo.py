@@ -1,6 +1,8 @@
 """`lm demo`: the embedded default. Prepare the bundled corpus, train a tiny model on CPU, evaluate, sample."""
 
+import contextlib
 import csv
+import io
 import sys
 import time
 from pathlib import Path
@@ -10,7 +12,7 @@ from lm.resources import shipped
 
 DEMO_CONFIG = shipped("configs/demo.yaml")
 NEXT_STEP = ("next: `lm compare demo`, the comparison: every mixer and Hawk-Mesa at matched parameters, on CPU "
-             "in under 20 min")
+             "in about 15 min")
 
 
 def last_logged(run_dir: Path, key: str) -> float | None:
@@ -56,23 +58,32 @@ def demo(mixer: str = "attention", run_dir: str | None = None, max_steps: int | 
     config, resume, yaml = parse_run_config(["--config", recipe] + overrides)
     prepare([str(BUNDLED_CORPUS)], data, vocab_size=config.model.vocab_size, progress=progress)
     checkpoint = train(config, resume, yaml)
-    result = evaluate_ppl(str(checkpoint))
+    eval_dir = Path(run_dir) / "eval" / f"ppl-validation-T{config.data.seq_len}"  # lm eval ppl's own default
+    with contextlib.redirect_stdout(io.StringIO()):  # its JSON line: the summary below says the same
+        result = evaluate_ppl(str(checkpoint), out=str(eval_dir))
     unigram = unigram_ppl(data)
     sample = generate_text(str(checkpoint), prompt="And God said", max_new_tokens=sample_tokens)
+    sample_file = Path(run_dir) / "sample.txt"
+    sample_file.write_text(sample + "\n")
     steps = config.trainer.max_steps
     tokens = steps * (config.trainer.accumulate or 1) * config.data.micro_batch * config.data.seq_len
     summary = {"mixer": mixer, "steps": steps, "tokens": tokens, "val_ppl": result["ppl"], "unigram_ppl": unigram,
                "tokens_per_s": last_logged(Path(run_dir), "train/device/items_per_sec"),
-               "wall_s": time.perf_counter() - start, "checkpoint": str(checkpoint)}
+               "wall_s": time.perf_counter() - start, "run_dir": run_dir, "data": data,
+               "checkpoint": str(checkpoint), "eval": str(eval_dir), "sample": str(sample_file)}
     print_summary(summary, sample)
     return summary
 
 
 def print_summary(s: dict, sample: str) -> None:
+    """The figures, where each file went, the sample and the next step."""
     speed = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "n/a"
     rows = [("mixer", s["mixer"]), ("steps", f"{s['steps']:,}"), ("tokens trained", f"{s['tokens']:,}"),
             ("validation ppl", f"{s['val_ppl']:.2f}"), ("unigram ppl (the bar)", f"{s['unigram_ppl']:.2f}"),
-            ("training tokens/s", speed), ("wall time", f"{s['wall_s']:.0f} s"), ("checkpoint", s["checkpoint"])]
+            ("training tokens/s", speed), ("wall time", f"{s['wall_s']:.0f} s"),
+            ("run directory", f"{s['run_dir']} (config.yaml, tokenizer.json, logs/version_N/metrics.csv)"),
+            ("data", f"{s['data']} (tokenizer, token shards, manifest.json)"), ("checkpoint", s["checkpoint"]),
+            ("evaluation", f"{s['eval']} (ppl.json, per_position.csv, per_position.png)"), ("sample", s["sample"])]
     width = max(len(k) for k, _ in rows)
     out = sys.stdout
     out.write("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows) + "\n\nsample:\n  " + sample + "\n")

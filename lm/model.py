@@ -85,6 +85,15 @@ class LMConfig:
         pattern = [s.strip() for s in self.layer_pattern.split(",")] if self.layer_pattern else [self.mixer]
         return [pattern[i % len(pattern)] for i in range(self.n_layers)]
 
+    def unused_mixer_options(self) -> list[str]:
+        """The mixers that ``mixer_options`` has options for but no layer uses."""
+        return sorted(set(self.mixer_options) - set(self.layer_mixers()))
+
+    def own_mixer_options(self) -> dict[str, dict]:
+        """``mixer_options`` without the options of mixers that no layer uses (a base shared by several mixers)."""
+        used = set(self.layer_mixers())
+        return {mixer: options for mixer, options in self.mixer_options.items() if mixer in used}
+
     @property
     def mlp_hidden(self) -> int:
         return int(round(self.mlp_ratio * self.d_model))

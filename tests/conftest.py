@@ -24,6 +24,24 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """A learning test's computation on one thread, in this process and in the processes it spawns (they inherit the
+    environment), whatever launched it: `make test`'s xdist workers compute on one already, a plain `pytest FILE`
+    would use every core, and a sum split over other threads rounds otherwise and can move a learning run as another
+    seed would. Restored after."""
+    saved = torch.get_num_threads(), {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved[0])
+    for key, value in saved[1].items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 # `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile --no-loadscope-reorder`):
 # a worker takes a whole test file, so that a module's fixtures are made once, and the next file in this order when it
 # is done. The files with the longest fixtures or launches go first, so that neither worker is left with a long one at

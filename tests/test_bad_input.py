@@ -136,6 +136,9 @@ CASES = {
     "bench-plan-memory-zero-micro-batch": (["bench", "plan-memory", "--configs", "[train.yaml]", "--micro_batch", "0"],
                                            "micro_batch"),
     "bench-compile-unknown-mixer": (["bench", "compile", "--mixers", "[nope]"], "nope"),
+    "bench-checkpoint-save-width-not-a-multiple-of-64": (["bench", "checkpoint-save", "--d_model", "100"], "d_model"),
+    "bench-self-check-zero-repeats": (["bench", "self-check", "--repeats", "0"], "repeats"),
+    "eval-tasks-path-not-a-switch-value": (["eval", "tasks", "--path", "maybe"], "path"),
     # lm research
     "research-mesa-ablation-zero-steps": (["research", "mesa-ablation", "--out", "ablation", "--steps", "0"], "steps"),
     "research-mesa-ablation-missing-data": (["research", "mesa-ablation", "--out", "ablation", "--data", "nowhere"],
@@ -259,4 +262,150 @@ def test_a_refused_resume_leaves_no_run_directory(template, tmp_path, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot resume FSDP2" in err[0], (code, err)
     assert not (work / "fresh").exists()
+    assert tree_state(work) == before
+
+
+# The everyday mistakes, each against the existing run (run_dir run): (argv, a part of the one line on stderr, whether
+# the machine must have no GPU). Each is one line and exit 2, and the run's files keep their bytes and their mtimes.
+IN_RUN = [*TRAIN, "--run_dir", "run"]
+LAUNCH_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "TORCHELASTIC_RUN_ID")
+EVERYDAY = {
+    # No abbreviated keys: a typo is not taken for the key it begins.
+    "train-abbreviated-key": ([*IN_RUN, "--trainer.max_step", "10"],
+                              "unknown config key 'trainer.max_step' (did you mean 'trainer.max_steps'?)"),
+    "command-abbreviated-key": (["eval", "ppl", "--checkpoint", "run", "--max_window", "1"],
+                                "unknown config key 'max_window' (did you mean 'max_windows'?)"),
+    "submit-abbreviated-key": ([*SUBMIT, "--node", "2", *TRAIN_ARGS], "unknown config key 'node'"),
+    # Other tools' names for lm's keys.
+    "train-learning-rate": ([*IN_RUN, "--optim.learning_rate", "1e-3"], "(did you mean 'optim.lr'?)"),
+    "train-min-lr": ([*IN_RUN, "--optim.min_lr", "0.1"], "(did you mean 'optim.min_lr_ratio'?)"),
+    "train-n-embd": ([*IN_RUN, "--model.n_embd", "64"], "(did you mean 'model.d_model'?)"),
+    "train-batch-size": ([*IN_RUN, "--data.batch_size", "4"], "(did you mean 'data.micro_batch'?)"),
+    "train-steps-elsewhere": ([*IN_RUN, "--max_iters", "10"], "(did you mean 'trainer.max_steps'?)"),
+    # A value of the wrong type, in lm's words.
+    "train-type-error": ([*IN_RUN, "--trainer.max_steps", "ten"], "trainer.max_steps must be an integer, got 'ten'"),
+    "train-type-error-optional": ([*IN_RUN, "--trainer.accumulate", "two"],
+                                  "trainer.accumulate must be an integer or null, got 'two'"),
+    # What the Trainer would refuse in a traceback (or wait on forever), before anything is written.
+    "train-gpu-without-one": ([*IN_RUN, "--strategy.accelerator", "gpu"], "no GPU is available here", True),
+    "train-unknown-accelerator": ([*IN_RUN, "--strategy.accelerator", "tpu"], "strategy.accelerator 'tpu'"),
+    "train-unknown-precision": ([*IN_RUN, "--strategy.precision", "fp8"], "strategy.precision 'fp8' is not one of"),
+    "train-fsdp-precision": ([*IN_RUN, "--strategy.name", "fsdp", "--strategy.devices", "2", "--strategy.precision",
+                              "64-true"], "strategy.name fsdp trains in"),
+    "train-nodes-outside-a-launcher": ([*IN_RUN, "--strategy.num_nodes", "2"],
+                                       "strategy.num_nodes 2 needs a launcher that starts every node"),
+    "train-single-on-two-devices": ([*IN_RUN, "--strategy.name", "single", "--strategy.devices", "2"],
+                                    "strategy.name single needs one device"),
+    "train-fsdp-devices-auto": ([*IN_RUN, "--strategy.name", "fsdp", "--strategy.devices", "auto"],
+                                "strategy.name fsdp needs strategy.devices as a number"),
+    # Options for a mixer the model does not use.
+    "train-options-of-an-unused-mixer": ([*IN_RUN, "--model.mixer", "gated_deltanet", "--model.mixer_options",
+                                          "{mesa: {cg_steps: 5}}"],
+                                         "model.mixer_options.mesa: the model does not use mesa (its mixers: "
+                                         "gated_deltanet)"),
+    # A misspelt command or group.
+    "misspelt-group": (["evl", "ppl"], "lm: error: unknown command 'evl'; did you mean 'eval'?"),
+    "misspelt-command": (["eval", "pll", "--checkpoint", "run"], "lm eval: error: unknown command 'eval pll'; "
+                         "did you mean 'ppl'?"),
+    "command-without-its-group": (["ppl", "--checkpoint", "run"], "unknown command 'ppl'; did you mean 'eval ppl'?"),
+}
+
+
+def tree_times(root: Path) -> dict[str, int]:
+    return {os.path.relpath(Path(folder, name), root): Path(folder, name).stat().st_mtime_ns
+            for folder, dirs, files in os.walk(root) for name in dirs + files}
+
+
+@pytest.mark.parametrize(("argv", "expected", "needs_no_gpu"), [
+    pytest.param(*case, *([False] if len(case) == 2 else []), id=name) for name, case in EVERYDAY.items()])
+def test_an_everyday_mistake_is_one_line_exit_2_and_the_run_untouched(argv, expected, needs_no_gpu, template,
+                                                                      tmp_path, monkeypatch, capsys):
+    if needs_no_gpu and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    work = tmp_path / "work"
+    shutil.copytree(template, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LM_SLURM_SITE", raising=False)
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    before, times = tree_state(work), tree_times(work)
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(err) == 1 and err[0].startswith(("lm ", "lm: ")) and expected in err[0], err
+    assert tree_state(work) == before and tree_times(work) == times
+
+
+def test_more_gpus_than_the_machine_has_is_refused_before_anything_is_written(template, tmp_path, monkeypatch,
+                                                                                capsys):
+    work = tmp_path / "work"
+    shutil.copytree(template, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    before, times = tree_state(work), tree_times(work)
+    code = main([*IN_RUN, "--strategy.accelerator", "gpu", "--strategy.devices", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "strategy.devices 2: this machine has 1 GPU(s)" in err[0], (code, err)
+    assert tree_state(work) == before and tree_times(work) == times
+
+
+def test_several_nodes_need_a_launcher():
+    """Outside SLURM and torchrun, a multi-node run would wait for the other nodes forever: refused. Any launcher's
+    environment (a SLURM job, torchrun's, nodes started by hand with MASTER_ADDR and NODE_RANK) is left to it."""
+    from lm.errors import UserError
+    from lm.training.launch_guard import check_nodes_launch
+
+    check_nodes_launch(1, {})
+    for env in ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, {"WORLD_SIZE": "2", "RANK": "0"},
+                {"MASTER_ADDR": "node0", "NODE_RANK": "1"}, {"TORCHELASTIC_RUN_ID": "x"}):
+        check_nodes_launch(2, env)
+    with pytest.raises(UserError, match="lm slurm submit"):
+        check_nodes_launch(2, {"LOCAL_RANK": "0"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="16-mixed is fp16 AMP on a GPU")
+def test_a_silent_change_is_said_once(template, monkeypatch, capsys):
+    """16-mixed on the CPU trains in bf16-mixed (as Lightning would): said in one line on stderr."""
+    from lm.training.config import parse_run_config
+    from lm.training.launch_guard import check_launch
+
+    monkeypatch.chdir(template)
+    config, _, _ = parse_run_config(["--config", "train.yaml", "--strategy.precision", "16-mixed"])
+    assert config.strategy.resolved_precision == "bf16-mixed"
+    check_launch(config)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lm train: warning: strategy.precision 16-mixed (fp16 AMP) is not available on the CPU; training "
+                   "in bf16-mixed, as Lightning does"], err
+    config, _, _ = parse_run_config(["--config", "train.yaml", "--strategy.precision", "32-true"])
+    check_launch(config)
+    assert capsys.readouterr().err == ""
+
+
+def test_options_in_a_config_file_for_a_mixer_the_model_does_not_use_are_refused(template, tmp_path, monkeypatch,
+                                                                                  capsys):
+    monkeypatch.chdir(template)
+    base = tmp_path / "base.yaml"
+    base.write_text(TRAIN_YAML.replace("model: {", "model: {mixer_options: {swa: {window: 8}}, "))
+    before = tree_state(template)
+    assert main(["train", "--config", str(base), "--run_dir", "run"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lm train: error: model.mixer_options.swa: the model does not use swa (its mixers: attention)"]
+    assert tree_state(template) == before
+
+
+def test_slurm_submit_takes_dry_run_as_its_help_shows(template, tmp_path, monkeypatch, capsys):
+    """`--dry_run true` (the form --help shows), `--dry-run` and `--dry_run` alone all print the script and submit
+    nothing."""
+    work = tmp_path / "work"
+    shutil.copytree(template, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LM_SLURM_SITE", raising=False)
+    before = tree_state(work)
+    for flag in (["--dry_run", "true"], ["--dry-run"], ["--dry_run"], ["--dry-run", "true", "--exclusive", "true"]):
+        code = main(["slurm", "submit", *flag, *TRAIN_ARGS])
+        captured = capsys.readouterr()
+        assert code == 0 and "#SBATCH" in captured.out, (flag, code, captured.err)
     assert tree_state(work) == before

@@ -62,9 +62,26 @@ def test_a_moved_command_is_unknown_in_one_line_that_points_to_it(capsys):
 @pytest.mark.parametrize("group", ["eval", "compare", "slurm", "bench", "research"])
 def test_a_group_alone_lists_its_commands(group, capsys):
     members = [name for name in COMMANDS if name.startswith(group + " ")]
-    assert main([group]) == 2  # a command is missing: exit 2, the listing, one line on stderr
+    assert main([group]) == 0  # the group alone: its listing, and nothing on stderr
     captured = capsys.readouterr()
-    assert listed(captured.out) == members and len(captured.err.strip().splitlines()) == 1
+    assert listed(captured.out) == members and captured.err == ""
     assert captured.out.strip() == usage(group)
     assert main([group, "--help"]) == 0
     assert listed(capsys.readouterr().out) == members
+
+
+def test_eval_tasks_names_the_shipped_tasks_and_their_folder_for_lm_eval(capsys):
+    from lm_eval.tasks import TaskManager
+
+    from lm.resources import shipped
+
+    assert main(["eval", "tasks", "--path", "true"]) == 0
+    folder = capsys.readouterr().out.strip()
+    assert folder == str(shipped("eval/tasks"))  # a checkout's eval/tasks, or the wheel's lm/_shipped/eval/tasks
+    assert main(["eval", "tasks"]) == 0
+    listing = capsys.readouterr().out
+    assert folder in listing.splitlines()[0] and '--include_path "$(lm eval tasks --path true)"' in listing
+    named = {line.split()[0] for line in listing.splitlines()[1:] if line.startswith("  ") and "lm_eval" not in line}
+    assert {"kjv_cloze", "based_drop", "based_triviaqa"} <= named
+    # What lm-eval itself finds at that folder, as `lm_eval --include_path FOLDER` does.
+    assert named == set(TaskManager(include_path=folder, include_defaults=False).all_tasks)

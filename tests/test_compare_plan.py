@@ -166,3 +166,32 @@ def test_the_window_of_swa_is_half_the_planned_length_unless_the_base_sets_it(tm
     raw["model"]["mixer_options"] = {"swa": {"window": 16}}
     base.write_text(yaml.safe_dump(raw))
     assert window(str(base), 128) == 16
+
+
+def test_data_sets_the_prepared_data_of_every_config(tmp_path, capsys):
+    """--data is data.path of every written config, a mixture in the base config giving way to it; without it, the
+    configs keep the base config's data (without a base: lm train's default, data/prepared)."""
+    from lm.cli import main
+
+    mixture = tmp_path / "mixture.yaml"
+    raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    raw["data"] = {**{k: v for k, v in raw["data"].items() if k != "path"},
+                   "sources": [{"path": "data/a", "weight": 0.5}, {"path": "data/b", "weight": 0.5}]}
+    mixture.write_text(yaml.safe_dump(raw))
+    tiny = ["--archs", "attention,mesa", "--lrs", "[1e-3]", "--budget", "1e15", "--vocab_size", "4096", "--seq_len",
+            "256"]
+
+    def data_of(out: str, *options: str) -> list:
+        assert main(["compare", "plan", *tiny, "--out", str(tmp_path / out), *options]) == 0
+        configs = sorted((tmp_path / out / "configs").glob("*.yaml"))
+        assert len(configs) == 2
+        return [parse_run_config(["--config", str(c)])[0].data for c in configs]
+
+    for data in data_of("mine", "--base", str(ROOT / "configs" / "demo.yaml"), "--data", "data/mine") + \
+            data_of("mine-mixture", "--base", str(mixture), "--data", "data/mine"):
+        assert (data.path, data.sources, data.seq_len, data.micro_batch) == ("data/mine", None, 256, 8)
+    assert [d.path for d in data_of("base", "--base", str(ROOT / "configs" / "demo.yaml"))] == ["runs/demo/data"] * 2
+    assert [d.first_path for d in data_of("bare")] == ["data/prepared"] * 2
+    kept = data_of("mixture", "--base", str(mixture))
+    assert [[s.path for s in d.sources] for d in kept] == [["data/a", "data/b"]] * 2
+    capsys.readouterr()

@@ -273,3 +273,30 @@ def test_a_probe_folder_without_its_output_exits_2_before_writing(fixture_runs, 
     assert main(["compare", "report", str(fixture_runs["hybrid"]), "--out", str(tmp_path / "out"), "--sections",
                  f"[{tmp_path}]"]) == 2
     assert "is not a report section" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_steps_and_the_validation_curve_count_optimizer_steps_in_new_and_older_logs(trained_run, tmp_path):
+    """The run's metrics.csv counts the optimizer steps done (its hparams.yaml says so): 4 steps, validated after 2
+    and 4. Logs of older lm, without that mark, counted one less on every row, and read back the same."""
+    from lm.compare.run_results import STEPS_DONE_MARK, RunResults, read_metrics
+
+    def steps_and_curve(run: Path) -> tuple[int, list[int]]:
+        results = RunResults(path=str(run), arch="attention", lr=None, seed=None, setting={}, params=0,
+                             params_without_embeddings=0, flops_per_token=0.0, batch_tokens=0)
+        read_metrics(run, results)
+        return results.steps, [step for step, _ in results.val_curve]
+
+    (hparams,) = (trained_run / "logs").rglob("hparams.yaml")
+    assert STEPS_DONE_MARK in hparams.read_text()
+    assert steps_and_curve(trained_run) == (4, [2, 4])
+    older = tmp_path / "older"
+    shutil.copytree(trained_run / "logs", older / "logs")
+    (hparams,) = (older / "logs").rglob("hparams.yaml")
+    hparams.write_text(hparams.read_text().replace(STEPS_DONE_MARK, ""))
+    (metrics,) = (older / "logs").rglob("metrics.csv")
+    rows = read_csv(metrics)
+    with open(metrics, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({**row, "step": int(row["step"]) - 1} for row in rows)
+    assert steps_and_curve(older) == (4, [2, 4])

@@ -414,3 +414,12 @@ def test_signature_works_with_jsonargparse():
     parser.add_function_arguments(prepare)
     cfg = parser.parse_args(["--inputs", "[a.txt, data/]", "--out", "x", "--vocab_size", "512"])
     assert (list(cfg.inputs), cfg.out, cfg.vocab_size, cfg.overwrite) == (["a.txt", "data/"], "x", 512, False)
+
+
+def test_the_tokenizer_trainer_leaves_no_blank_lines_on_a_stdout_that_is_no_terminal(capfd):
+    """tokenizers' progress bars draw on stdout: where that is a log or a pipe (`lm demo > out`) they left blank lines
+    around the summary, so they are drawn on a terminal alone."""
+    from lm.data_prep.tokenizer import train_bpe
+
+    train_bpe(["In the beginning God created the heaven and the earth."] * 200, vocab_size=300, progress=True)
+    assert capfd.readouterr().out == ""

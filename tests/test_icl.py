@@ -83,9 +83,12 @@ def test_zero_context_position_equals_the_prior_loss(sample):
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def quick_run(tmp_path_factory, one_thread):
     """The quick run with fewer steps, as `lm compare demo --icl_steps` sets them: at 200 steps Mesa's excess over
-    ridge is 2% and linear attention's over one GD step 4% (1% and 3% at quick's 300), far inside the bounds below."""
+    ridge is 2% and linear attention's over one GD step 4% (1% and 3% at quick's 300), far inside the bounds below.
+    Over seeds 0-4 (Dec 5 2026, one thread each): Mesa's excess over ridge -0.05% to 2.4%, Mesa below one GD step by
+    47.5% or more at every position, linear attention's excess over one GD step 3.4% to 97.9% (seed 3 learned
+    little), linear attention above Mesa by 104% or more at every position."""
     out = tmp_path_factory.mktemp("icl")
     rows = icl(mixers=["mesa"], **{**QUICK, "steps": 200}, out=str(out))
     return out, {row["label"]: row for row in rows}
@@ -98,11 +101,11 @@ def test_one_mesa_layer_solves_the_regression_and_linear_attention_takes_one_gd_
     late = slice(task.x_dim, None)
     mesa, linear = (torch.tensor(rows[label]["mse"], dtype=torch.float64)[late] for label in ("mesa", "mesa, cg 0"))
     ridge, gd = curves["ridge"][late], curves["gd"][late]
-    assert ((mesa - ridge) / ridge).mean() < 0.25, mesa / ridge
-    assert (mesa < gd).all()
+    assert ((mesa - ridge) / ridge).mean() < 0.25, mesa / ridge  # seeds 0-4: -0.05% to 2.4%
+    assert (mesa < gd).all()  # seeds 0-4: 47.5% below or more
     # Linear attention cannot beat one GD step by much (it is one GD step with a learned preconditioner).
-    assert ((linear - gd) / gd).mean() > -0.15, linear / gd
-    assert (linear > mesa).all()
+    assert ((linear - gd) / gd).mean() > -0.15, linear / gd  # seeds 0-4: +3.4% to +97.9%
+    assert (linear > mesa).all()  # seeds 0-4: 104% above or more
     with open(out / "icl.csv") as f:
         table = list(csv.reader(f))
     assert table[0] == ["pairs seen", "ridge", "gd", "least_squares", "zero", "mesa (minimal, 1L)",

@@ -219,8 +219,8 @@ def test_a_run_draws_each_source_at_its_weight_and_logs_its_tokens(straight, win
             if row.get(f"data/tokens/{name}"):
                 logged[(int(row["step"]), name)] = float(row[f"data/tokens/{name}"])
     last = max(step for step, _ in logged)
-    # The step column is the optimizer step after the batch: rows up to it were trained on.
-    trained = sources[:(last + 1) * BATCH]
+    # The step column is the optimizer steps done: the rows of that many steps were trained on.
+    trained = sources[:last * BATCH]
     assert logged[(last, "bible")] == trained.count(0) * SEQ
     assert logged[(last, "numbers")] == trained.count(1) * SEQ
 
@@ -229,7 +229,7 @@ def test_validation_reports_each_source_and_their_weighted_mean(straight, kjv_da
     from lm.training.checkpoint import load_model
 
     run_dir, _ = straight
-    row = next(r for r in metrics(run_dir) if r.get("val/loss") and int(r["step"]) == STEPS - 1)
+    row = next(r for r in metrics(run_dir) if r.get("val/loss") and int(r["step"]) == STEPS)
     model, _ = load_model(str(run_dir / "checkpoints" / f"step={STEPS:08d}.ckpt"))
     expected = {}
     for name, path in (("bible", kjv_data), ("numbers", numbers)):

@@ -6,15 +6,28 @@ from multiprocessing import get_context
 import pytest
 import torch
 
-from lm.eval.mqar import MQARTask, lr_for, mqar_batch, options_for, steps_for, train_mqar
+from lm.eval.mqar import MQARTask, lr_for, mqar_batch, options_for, train_mqar
 from lm.mixers import MIXERS
 
 TASK = MQARTask(vocab=32, pairs=4)
-# Fewer steps than `lm eval mqar` takes where fewer already clear 90% by a wide margin, to keep the suite short
-# (measured on Dec 3-4 2026, seed 0, see docs/mqar.md). Mamba2, Hawk and mLSTM keep theirs: with fewer they fall
-# near or below 90%.
-TEST_STEPS = {**{name: steps_for(name) for name in MIXERS}, "attention": 500, "deltanet": 120,
-              "gated_deltanet": 120, "gla": 200, "mesa": 100}
+# Each mixer's training steps and the accuracy it must pass: `lm eval mqar`'s options (lr_for, options_for), with
+# fewer steps than it takes where fewer clear the bar by a wide margin, to keep the suite short, and Hawk with more. The
+# comments give the accuracy's min-max over seeds 0-4 (train_mqar with these steps, one thread each, Dec 5 2026): each
+# threshold sits well below the worst seed, so that a machine whose arithmetic differs in the last bits (another CPU,
+# another launch), which moves a run as another seed would, still passes. The plateau of a model that does not bind
+# keys to values is about 34% (docs/mqar.md), far below every threshold.
+TEST_RUNS = {
+    "attention": (300, 0.8),  # 100.0-100.0% (500 steps: 100.0% on each seed)
+    "deltanet": (200, 0.8),  # 98.3-100.0% (120 steps: 83.5-99.7%)
+    "gated_deltanet": (200, 0.8),  # 99.4-100.0% (120 steps: 91.4-99.5%)
+    "gla": (200, 0.8),  # 99.5-100.0%
+    "mamba2": (1200, 0.8),  # 97.5-100.0% (1500 steps: 99.9-100.0%)
+    "mesa": (100, 0.8),  # 99.4-100.0%
+    "mlstm": (500, 0.8),  # 96.4-99.0%
+    # Hawk binds slowly and by seed (docs/mqar.md): at 2000 steps 32.7-96.7% (seed 2 stays on the plateau, seed 1 at
+    # 79.8%; seed 0 gave 95.5% here, 89.4% in another launch); 2500 steps: 81.8-99.5%; 3000: 81.2-99.0%.
+    "hawk": (2500, 0.6),
+}
 # Sliding-window attention computes what attention does within its window (tests/test_mixer_contract.py), and these
 # sequences are shorter than the window: its MQAR run would repeat attention's, at 1500 steps.
 LEARNERS = sorted(set(MIXERS) - {"swa"})
@@ -36,22 +49,28 @@ def test_mqar_batches_score_only_the_answers():
 
 
 @pytest.fixture(scope="module")
-def learned() -> dict[str, dict]:
+def learned(one_thread) -> dict[str, dict]:
     """Every mixer's MQAR run, with `lm eval mqar`'s options (mLSTM with a short convolution: xLSTM 7B's block has
     none, docs/mqar.md). Two run at a time, each in a fresh process of one thread, as docs/mqar.md measures them
     (`OMP_NUM_THREADS=1 lm eval mqar`): the models are too small to gain from a second thread, and both cores stay
-    busy. The longest first."""
-    order = sorted(LEARNERS, key=lambda m: -TEST_STEPS[m])
+    busy. The workers inherit `one_thread`'s environment, so that `make test` and a plain `pytest` compute the same.
+    The longest first."""
+    order = sorted(LEARNERS, key=lambda m: -TEST_RUNS[m][0])
     with ProcessPoolExecutor(2, mp_context=get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(1,)) as pool:
-        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_STEPS[m], batch=64, lr=lr_for(m),
+        futures = {m: pool.submit(train_mqar, m, TASK, steps=TEST_RUNS[m][0], batch=64, lr=lr_for(m), seed=0,
                                   mixer_options=options_for(m)) for m in order}
         return {m: future.result() for m, future in futures.items()}
 
 
+def test_every_learner_has_its_run():
+    assert sorted(TEST_RUNS) == LEARNERS
+
+
 @pytest.mark.parametrize("mixer", LEARNERS)
-def test_each_mixer_learns_mqar(mixer, learned):
-    assert learned[mixer]["accuracy"] > 0.9, learned[mixer]
+def test_each_mixer_learns_mqar(mixer, learned, record_property):
+    record_property("accuracy", learned[mixer]["accuracy"])  # in --junitxml's report, also from xdist's workers
+    assert learned[mixer]["accuracy"] > TEST_RUNS[mixer][1], learned[mixer]
 
 
 def test_swa_sees_half_the_mqar_sequence():

@@ -124,13 +124,15 @@ def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
     assert (again["accuracy"], again["final_loss"]) == (row["accuracy"], row["final_loss"])
 
 
-def test_a_cell_that_can_learn_beats_chance():
-    """The grid's training and scoring can show learning: attention at the quick grid's size, with 300 steps at lr
-    1e-2, recalls 41-49% of the queries (seeds 0-3; 1.2 s), where guessing a value scores 1/16."""
-    cell = grid.grid_cells(["attention"], [16], [2], [1e-2], [0], vocab=32, length=24, steps=300, batch=16)[0]
+def test_a_cell_that_can_learn_beats_chance(one_thread):
+    """The grid's training and scoring can show learning: attention at the quick grid's size, with 600 steps at lr
+    1e-2, recalls 47.9-54.0% of the queries, final loss 0.63-1.09 (seeds 0-7, one thread; 2.7 s), where guessing a
+    value scores 1/16 and the untrained model's loss is about log(vocab) = 3.47. (With 300 steps: 26.9-51.9%, loss
+    0.80-1.94: seed 4 failed both bounds.)"""
+    cell = grid.grid_cells(["attention"], [16], [2], [1e-2], [0], vocab=32, length=24, steps=600, batch=16)[0]
     row = grid.run_cell(cell)
     assert row["accuracy"] > 4 / 16, row
-    assert row["final_loss"] < 0.5 * math.log(32), row  # the untrained model's loss is about log(vocab)
+    assert row["final_loss"] < 0.5 * math.log(32), row  # 1.73
 
 
 def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):

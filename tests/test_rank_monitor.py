@@ -85,13 +85,15 @@ def test_a_hybrid_run_logs_the_ranks_of_its_attention_layers(kjv_data, tmp_path)
             assert 1.0 <= float(row[key]) <= 16, (key, row[key])
 
 
-def test_decay_on_the_attention_matrices_lowers_the_qk_rank(kjv_data, tmp_path):
+def test_decay_on_the_attention_matrices_lowers_the_qk_rank(kjv_data, tmp_path, one_thread):
     optim = "lr: 1.0e-2, warmup_steps: 1, min_lr_ratio: 1.0, weight_decay: 0.0"
     free = rank_run(tmp_path, kjv_data, "free", 20, 20, "attention", optim)
     decayed = rank_run(tmp_path, kjv_data, "decayed", 20, 20, "attention",
                        optim + ", qk_weight_decay: 10.0, vo_weight_decay: 10.0")
     assert free[0]["rank/qk"] == decayed[0]["rank/qk"]  # the same initialisation
-    assert float(decayed[-1]["rank/qk"]) < 0.8 * float(free[-1]["rank/qk"])  # 5.1 vs 9.0 (seed 1)
+    # Decayed over free rank/qk: 0.57 (5.1 vs 9.0) at seed 1; 0.57-0.77 over seeds 0-7 (one thread). Without the
+    # decay the two runs are one: 1.0.
+    assert float(decayed[-1]["rank/qk"]) < 0.9 * float(free[-1]["rank/qk"])
 
 
 def test_negative_rank_every_is_a_user_error():

@@ -107,13 +107,13 @@ def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, resumed,
     assert (tmp_path / "export" / "tokenizer.json").is_file()
 
     # Exact resume: drop the last checkpoint and continue from step 2 with the same strategy (`resumed`). The launch
-    # names the checkpoint it restored and logs from step 2 on the losses of the uninterrupted run, bit for bit: a
+    # names the checkpoint it restored and logs steps 3 and 4 with the losses of the uninterrupted run, bit for bit: a
     # launch that silently restarted from step 0 would end with the same weights, but not pass this.
     resumed_dir = continued(resumed, strategy)
     restored = resumed_dir / "checkpoints" / "step=00000002.ckpt"
     assert f"lm train: resuming from {restored}" in resumed[strategy][1].stderr
     after = last_launch_losses(resumed_dir)
-    assert sorted(after) == [2, 3] and [after[2], after[3]] == losses(run_dir)[2:]
+    assert sorted(after) == [3, 4] and [after[3], after[4]] == losses(run_dir)[2:]
     b = exported(resumed_dir, tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -264,7 +264,7 @@ def test_in_loop_evaluation_under_ddp_scores_as_lm_eval_harness_on_the_checkpoin
           "--eval.tasks", "[lm_local_choice, lm_local_text]", "--eval.include_path", str(tasks))
     with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
         (logged,) = [r for r in csv.DictReader(f) if r.get("eval/lm_local_text/word_perplexity")]
-    assert logged["step"] == "3"  # the row of step 4's loss
+    assert logged["step"] == "4"  # the row of step 4's loss
     assert main(["eval", "harness", "--checkpoint", str(run_dir / "checkpoints" / "step=00000004.ckpt"), "--tasks",
                  "[lm_local_choice, lm_local_text]", "--include_path", str(tasks), "--out", str(tmp_path / "h")]) == 0
     results = json.loads((tmp_path / "h" / "results.json").read_text())["results"]

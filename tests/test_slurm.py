@@ -144,7 +144,7 @@ def test_two_task_training_job_completes(straight):
     err = (straight / "slurm" / f"job-{job}.err").read_text()
     assert f"lm slurm: job {job} restart 0" in out
     assert "2 processes x micro_batch 2" in err and "MEMBER: 2/2" in err
-    assert [s for s, _ in logged(straight, "train/loss")][-1] == STEPS - 1
+    assert [s for s, _ in logged(straight, "train/loss")][-1] == STEPS
     assert logged(straight, "slurm/restart_count") == [(0, 0.0)]
     assert list((straight / "slurm").glob("train-*.yaml")) and (straight / "config.yaml").is_file()
 
@@ -187,7 +187,7 @@ def test_a_preempted_2_node_job_requeues_and_ends_with_the_1_node_weights(cluste
         {(run_dir / "wandb_id").read_text()}  # both launches log to one wandb run
     status = lm_here(cluster, "slurm", "status", str(run_dir))
     assert re.search(rf"job {job}\s+train COMPLETED\s+restarts 1", status), status
-    assert f"last logged step {STEPS - 1}; newest checkpoint step={STEPS:08d}.ckpt" in status
+    assert f"last logged step {STEPS}; newest checkpoint step={STEPS:08d}.ckpt" in status  # both count steps done
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +255,9 @@ def test_a_cancelled_job_is_not_requeued(cluster, kjv_data, tmp_path):
     assert newest_checkpoint(run_dir / "checkpoints") is not None
 
 
-def test_a_stop_notice_during_startup_still_ends_with_a_checkpoint(kjv_data, tmp_path):
-    """A preemption notice can come while Python is still importing torch: the run must not die of it."""
+def test_a_stop_notice_during_startup_ends_at_once_in_one_line(kjv_data, tmp_path):
+    """A preemption notice can come while Python is still importing torch: the run ends at once with one line and
+    exit 75 (the job script requeues it), nothing written, rather than dying of the signal or training first."""
     run_dir = tmp_path / "run"
     config = config_file(tmp_path, kjv_data, devices=1, max_steps=50)
     process = subprocess.Popen([sys.executable, "-m", "lm.cli", "train", "--config", str(config), "--run_dir",
@@ -266,8 +267,28 @@ def test_a_stop_notice_during_startup_still_ends_with_a_checkpoint(kjv_data, tmp
     process.send_signal(signal.SIGUSR1)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == STOPPED_EXIT_CODE, stderr[-2000:]
-    assert "stopped on request at step 1 " in stderr
-    assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000001.ckpt"
+    assert stderr.strip().splitlines() == ["lm train: SIGUSR1 before the first step: stopped at once, nothing to save; "
+                                           "run again to start"]
+    assert not run_dir.exists()
+
+
+def test_a_term_to_every_task_checkpoints_exits_75_and_the_job_resumes(cluster, kjv_data, tmp_path):
+    """`scancel --signal=TERM` reaches every process of the job step, the data-loader workers among them: the run
+    checkpoints at the next step and exits 75 (no worker dies of it), and the job script requeues it as it does for a
+    preemption notice; the requeued job resumes and completes."""
+    run_dir = tmp_path / "run"
+    config = config_file(tmp_path, kjv_data, max_steps=40, ckpt_every=10)
+    job = submit(cluster, "--", "--config", str(config), "--run_dir", str(run_dir), "--data.num_workers", "1")
+    wait_for_a_checkpoint(run_dir)
+    subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
+    info = wait_until_ended(cluster, job)
+    err = (run_dir / "slurm" / f"job-{job}.err").read_text()
+    out = (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, err[-3000:])
+    assert "lm train: SIGTERM: stopping at the next step with a checkpoint" in err, err[-3000:]
+    assert "stopped on request at step" in err and "DataLoader worker" not in err and "Traceback" not in err
+    assert "stopped with a checkpoint; requeueing it" in out
+    assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000040.ckpt"
 
 
 def test_array_of_two_configs_runs_both(cluster, kjv_data, tmp_path):

@@ -57,11 +57,11 @@ def last_launch_losses(run_dir: Path) -> dict[int, float]:
 
 
 def assert_resumed_at(run_dir: Path, step: int, reference: Path, stderr: str):
-    """The newest launch restored the step-`step` checkpoint (its log says so), logged from that step on, and
+    """The newest launch restored the step-`step` checkpoint (its log says so), logged the steps after it, and
     logged the reference's losses there bit for bit: a launch that restarted from step 0 fails all three."""
     assert f"lm train: resuming from {run_dir / 'checkpoints' / f'step={step:08d}.ckpt'}" in stderr, stderr[-2000:]
     after, expected = last_launch_losses(run_dir), logged_losses(reference)
-    assert min(after) == step and all(after[s] == expected[s] for s in after), (after, expected)
+    assert min(after) == step + 1 and all(after[s] == expected[s] for s in after), (after, expected)
 
 
 def weights(checkpoint: Path) -> dict:
@@ -109,7 +109,7 @@ def test_resume_gives_identical_losses_and_weights(straight, kjv_data, tmp_path)
     run(config_file(tmp_path, kjv_data, resumed), "--resume", str(first_half))
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", resumed / "checkpoints/step=00000008.ckpt")
     reference, after = logged_losses(straight), logged_losses(resumed)
-    assert sorted(after) == list(range(4, STEPS))  # logged steps 4..7 are the second half
+    assert sorted(after) == list(range(5, STEPS + 1))  # steps 5..8 are the second half
     assert all(after[s] == reference[s] for s in after)
 
 

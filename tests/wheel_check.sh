@@ -187,8 +187,8 @@ run_ladder_plan() {
 
 run_lm_eval_cli() {
     local tasks results
-    tasks=$(as_user python -c "from lm.resources import shipped; print(shipped('eval/tasks'))")
-    [[ $tasks == "$VENV"/* ]] || fail "shipped('eval/tasks') is $tasks, not inside the fresh venv"
+    tasks=$(as_user lm eval tasks --path true)
+    [[ $tasks == "$VENV"/* ]] || fail "lm eval tasks --path true gives $tasks, not a folder inside the fresh venv"
     as_user lm_eval --model lm --model_args "checkpoint=$CHECKPOINT" --tasks kjv_cloze --include_path "$tasks" \
         --limit 16 --batch_size 4 --device cpu --output_path lm-eval-out
     results=$(find "$USER_DIR/lm-eval-out" -name 'results*.json' | head -1)

@@ -86,7 +86,7 @@ def bench_flex(lengths: list[int] = [512, 2048], masks: list[str] = ["half", "12
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--lengths", default="512,2048")
     parser.add_argument("--masks", default="half,128,docs256")
     parser.add_argument("--repeats", type=int, default=3)

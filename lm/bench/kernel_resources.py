@@ -89,7 +89,7 @@ def states_resources(K: int, R: int, chunk: int) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--shapes", nargs="*", default=None, help="K,V,CHUNK triples (default: see the module doc)")
     parser.add_argument("--json_out", default=None)
     args = parser.parse_args(argv)

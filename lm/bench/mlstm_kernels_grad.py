@@ -91,7 +91,7 @@ def compare(T: int = 16, heads: int = 2, K: int = 16, V: int = 32, eps: float = 
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     for name, default in (("T", 16), ("heads", 2), ("K", 16), ("V", 32)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args(argv)

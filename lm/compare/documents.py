@@ -109,9 +109,7 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     data, vocab = prepared_data(out_dir, data, vocab_size)
     base = base_config(data, vocab, seq_len, global_batch, eval_windows)
-    base["model"].update(d_model=d_model, n_layers=n_layers, n_heads=2, head_dim=d_model // 2,
-                         mixer_options={m: at_length(m, {}, seq_len) for m in mixers
-                                        if MIXERS[m].length_options(seq_len)})
+    base["model"].update(d_model=d_model, n_layers=n_layers, n_heads=2, head_dim=d_model // 2)
     config = out_dir / "base.yaml"
     config.write_text(yaml.safe_dump(base, sort_keys=False))
     threads = max(1, (os.cpu_count() or 1) // workers)
@@ -123,7 +121,10 @@ def compare_documents(out: str = "runs/compare-documents", mixers: list[str] | N
         for setting in SETTINGS:
             for seed in seeds:
                 name = f"{mixer}-{setting}-s{seed}"
-                overrides = ["--run_dir", str(out_dir / "runs" / name), "--model.mixer", mixer, "--seed", str(seed),
+                # each run carries its own mixer's options alone (lm train refuses another mixer's)
+                options = {mixer: at_length(mixer, {}, seq_len)} if MIXERS[mixer].length_options(seq_len) else {}
+                overrides = ["--run_dir", str(out_dir / "runs" / name), "--model.mixer", mixer,
+                             "--model.mixer_options", json.dumps(options), "--seed", str(seed),
                              "--data.seed", str(seed), "--optim.lr", str(demo_lr(mixer)),
                              "--data.reset_at_documents", str(setting == "reset").lower(), *common]
                 # `lm eval ppl --positions document`: positions counted from each document's start

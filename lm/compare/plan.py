@@ -211,9 +211,11 @@ def model_template(run, archs: list[Arch], seq_len: int, vocab_size: int | None)
 
 
 def matched_shapes(archs: list[Arch], reference: LMConfig, metric, goal: float) -> list[tuple[Arch, LMConfig, str]]:
-    """(arch, its config, the move that matched it) for each arch: attention is the reference itself."""
-    return [(arch, *((reference, "reference") if arch.mixers == ("attention",) else
-                     match_shape(arch, reference, metric, goal))) for arch in archs]
+    """(arch, its config, the move that matched it) for each arch: attention is the reference itself. Each config
+    keeps the options of its own mixers alone (lm train refuses options for a mixer the model does not use)."""
+    shapes = [(arch, *((reference, "reference") if arch.mixers == ("attention",) else
+                       match_shape(arch, reference, metric, goal))) for arch in archs]
+    return [(arch, replace(cfg, mixer_options=cfg.own_mixer_options()), move) for arch, cfg, move in shapes]
 
 
 def load_base(base: str | None) -> tuple[dict, "object"]:
@@ -288,11 +290,14 @@ def markdown(result: dict) -> str:
 
 
 def run_config(raw: dict, run, row: dict, lr: float, seed: int, global_batch: int, seq_len: int,
-               run_dir: Path) -> dict:
+               run_dir: Path, data_path: str | None = None) -> dict:
     """The base config's sections with the planned model, batch, length, lr, seed and steps; its warmup cut to a
-    tenth of the steps and its validation and checkpoint intervals to the steps where a short run needs it."""
+    tenth of the steps and its validation and checkpoint intervals to the steps where a short run needs it; its data
+    (a path or a mixture) replaced by `data_path` where given."""
     steps = row["steps"]
     data = {k: v for k, v in (raw.get("data") or {}).items() if k != "global_batch_tokens"}
+    if data_path is not None:
+        data = {**{k: v for k, v in data.items() if k != "sources"}, "path": data_path}
     warmup = min(run.optim.warmup_steps, max(1, int(WARMUP_FRACTION * steps)))
     trainer = {**(raw.get("trainer") or {}), "max_steps": steps, "val_every": min(run.trainer.val_every, steps),
                "ckpt_every": min(run.trainer.ckpt_every, steps)}
@@ -306,7 +311,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
          budget: float | None = None, params: float | None = None, seq_len: int | None = None,
          vocab_size: int | None = None, base: str | None = None, global_batch: int | None = None,
          lrs: list[float] | dict[str, list[float]] | None = None, seeds: list[int] | None = None,
-         out: str = "runs/compare", submit: bool = False, slurm: list[str] | None = None,
+         out: str = "runs/compare", data: str | None = None, submit: bool = False, slurm: list[str] | None = None,
          dry_run: bool = False) -> dict:
     """Shapes matched in parameters or training FLOPs, the tokens a budget buys, and configs to train them.
 
@@ -324,6 +329,8 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         lrs: Peak learning rates: one grid for all, or a mapping arch -> grid (default: base lr x 0.5, 1, 2).
         seeds: Seeds per learning rate (default: [0]).
         out: Directory for plan.md, plan.json, configs/, sweep.yaml and the runs.
+        data: The prepared data (an `lm prepare` directory) every run trains on: data.path of the configs
+            (default: the base config's data, else lm train's default, data/prepared).
         submit: Submit OUT/sweep.yaml as a SLURM array (lm slurm submit --array).
         slurm: Further `lm slurm submit` options, e.g. ["--time=24:00:00", "--dry_run"].
         dry_run: Print the plan only; write and submit nothing.
@@ -386,10 +393,11 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
     print(table, end="")
     if dry_run:
         return result
-    return write_plan(result, raw, run, Path(out), table, submit, slurm or [])
+    return write_plan(result, raw, run, Path(out), table, submit, slurm or [], data)
 
 
-def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool, slurm: list[str]) -> dict:
+def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool, slurm: list[str],
+               data: str | None = None) -> dict:
     """plan.md, plan.json, one config per arch x lr x seed (checked by lm train's loader), sweep.yaml."""
     from lm.training.config import parse_run_config
 
@@ -401,7 +409,7 @@ def write_plan(result: dict, raw: dict, run, out: Path, table: str, submit: bool
             for seed in result["seeds"]:
                 name = f"{row['arch']}-lr{lr:g}-seed{seed}"
                 config = run_config(raw, run, row, lr, seed, result["global_batch"], result["seq_len"],
-                                    out / "runs" / name)
+                                    out / "runs" / name, data)
                 header = (f"# {row['arch']}: {row['params']:,} parameters, {sci(row['train_flops_per_token'])} train "
                           f"FLOPs/token, {row['tokens']:,} tokens in {row['steps']} steps.\n"
                           f"# Written by lm compare plan (matched {result['match']}; see {out / 'plan.md'}).\n")

@@ -183,7 +183,8 @@ def report_from_args(argv: list[str]) -> Path:
     only as one JSON value, so they are declared here), the other options from `report`'s signature."""
     from jsonargparse import ArgumentParser
 
-    parser = ArgumentParser(prog="lm compare report", exit_on_error=False, description=report.__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="lm compare report", exit_on_error=False, allow_abbrev=False,
+                            description=report.__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="Run directories of `lm train` (a shell glob such as runs/*).")
     parser.add_function_arguments(report, skip={"runs"})
     try:

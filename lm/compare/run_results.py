@@ -14,6 +14,9 @@ import yaml
 from lm.errors import UserError
 from lm.training.batch import global_batch_of
 
+# What lm.training.metrics_log writes into each launch's hparams.yaml: its rows count the optimizer steps done. The
+# logs of older lm lack it; their rows were Lightning's count, one less (step s's loss and the validation after it).
+STEPS_DONE_MARK = "metrics_step: optimizer_steps_done"
 # Without a suite naming it, a task's main metric is the first of these that it reports.
 MAIN_METRICS = ("acc", "acc_norm", "exact_match", "contains", "word_perplexity", "perplexity")
 # Settings that say how or where a run was done, not what was trained: runs differing only in them are comparable.
@@ -106,21 +109,22 @@ def read_metrics(run: Path, results: RunResults) -> list[dict]:
         with open(path) as f:
             launch = list(csv.DictReader(f))
         rows += launch
+        hparams = path.parent / "hparams.yaml"  # written when the launch started
+        older = not (hparams.is_file() and STEPS_DONE_MARK in hparams.read_text())
         for row in launch:
             if (step := number(row, "step")) is None:
                 continue
+            done = int(step) + older  # optimizer steps done
             if number(row, "train/loss") is not None:
-                train[int(step)] = number(row, "train/loss")
+                train[done] = number(row, "train/loss")
             if number(row, "val/loss") is not None:
-                val[int(step)] = number(row, "val/loss")
+                val[done] = number(row, "val/loss")
         times = [t for row in launch if (t := number(row, "train/time")) is not None]
-        hparams = path.parent / "hparams.yaml"  # written when the launch started
         wall.append(max(times) if times else
                     path.stat().st_mtime - hparams.stat().st_mtime if hparams.exists() else None)
-    # Lightning logs the loss of step s (0-based) at step s, and validation after s + 1 steps at step s.
-    results.steps = max([s + 1 for s in [*train, *val]], default=0)
+    results.steps = max([*train, *val], default=0)
     results.train_loss = train[max(train)] if train else None
-    results.val_curve = [(s + 1, val[s]) for s in sorted(val)]
+    results.val_curve = [(s, val[s]) for s in sorted(val)]
     results.wall_s = sum(w for w in wall if w is not None) if any(w is not None for w in wall) else None
     # The throughput monitor logs a global rate only with more than one process; the device rate is then 1/world.
     results.tokens_per_s = median_of(rows, "train/items_per_sec") or median_of(rows, "train/device/items_per_sec")

@@ -1,6 +1,7 @@
 """The tokenizer: train a byte-level BPE on the documents, or load a tokenizer.json file or a hub name."""
 
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = True) -> T
         min_frequency=2,
         special_tokens=[EOT],  # listed first, so it gets id 0
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        # tokenizers' bars draw on stdout; on anything but a terminal (a log, `lm demo > out`) they leave blank lines
+        show_progress=progress and sys.stdout.isatty(),
     )
     tok.train_from_iterator(texts, trainer)
     return tok

@@ -94,7 +94,7 @@ def site_file() -> Path:
 
 def submit_parser() -> ArgumentParser:
     site = site_file()
-    parser = ArgumentParser(prog="lm slurm submit", exit_on_error=False, default_env=False,
+    parser = ArgumentParser(prog="lm slurm submit", exit_on_error=False, default_env=False, allow_abbrev=False,
                             default_config_files=[str(site)] if site.is_file() else [],
                             description="Submit a training run, a sweep or an evaluation to SLURM.")
     parser.add_argument("--kind", choices=["train", "eval", "prepare"], default="train",
@@ -121,17 +121,22 @@ FLAGS = ("--dry_run", "--exclusive")  # switches: given alone, they mean true
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Own options and the command after `--`."""
     cut = argv.index("--") if "--" in argv else len(argv)
-    return [normalised(a) for a in argv[:cut]], argv[cut + 1:]
+    own = argv[:cut]
+    # A switch followed by a value (`--dry_run true`, the form --help shows) takes it; given alone, it means true.
+    valued = {i for i, arg in enumerate(own[:-1]) if normalised(arg, False) in FLAGS and not own[i + 1].startswith("-")}
+    own = [f"{normalised(arg, False)}={own[i + 1]}" if i in valued else normalised(arg)
+           for i, arg in enumerate(own) if i - 1 not in valued]
+    return own, argv[cut + 1:]
 
 
-def normalised(arg: str) -> str:
+def normalised(arg: str, alone: bool = True) -> str:
     """--dry-run -> --dry_run=true: jsonargparse's option names are the fields' names, and its booleans take a
-    value."""
+    value (a switch `alone`, with no value after it, means true)."""
     if not arg.startswith("--"):
         return arg
     name, eq, value = arg[2:].partition("=")
     arg = "--" + name.replace("-", "_") + eq + value
-    return arg + "=true" if arg in FLAGS else arg
+    return arg + "=true" if alone and arg in FLAGS else arg
 
 
 def sweep_runs(path: str) -> list[list[str]]:

@@ -147,7 +147,7 @@ def check_data(d: DataConfig) -> None:
 
 
 def train_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lm train", exit_on_error=False, default_env=False,
+    parser = ArgumentParser(prog="lm train", exit_on_error=False, default_env=False, allow_abbrev=False,
                             description="Train a language model from a YAML config with command-line overrides.")
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file(s) with the settings below.")
     parser.add_class_arguments(RunConfig, nested_key=None, fail_untyped=True)
@@ -176,3 +176,12 @@ def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
     config = RunConfig(model=run.model, data=run.data, optim=run.optim, trainer=run.trainer,
                        strategy=run.strategy, eval=run.eval, run_dir=run.run_dir, seed=run.seed)
     return config, resume, yaml
+
+
+def check_mixer_options(model: LMConfig) -> None:
+    """Options for a mixer the model does not use are a mistake in a run (a Mesa option on a Gated DeltaNet run would
+    otherwise be ignored without a word), wherever they were given; `lm train` checks (launch_guard.check_launch). A
+    base config that `lm compare` shapes for several mixers may hold them all."""
+    if unused := model.unused_mixer_options():
+        raise UserError(f"model.mixer_options.{unused[0]}: the model does not use {unused[0]} (its mixers: "
+                        f"{', '.join(dict.fromkeys(model.layer_mixers()))})")

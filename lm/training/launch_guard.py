@@ -1,17 +1,22 @@
 """Refuse a mis-launched run before it trains: a SLURM allocation whose task count does not match the strategy,
-a multi-process run started inside a SLURM job without `srun`, or a run directory that another live process is
-already training. Each would otherwise hang, train with the wrong world size, or interleave two runs' checkpoints.
+a multi-process run started inside a SLURM job without `srun`, several nodes asked for outside a launcher that starts
+them, a strategy this machine cannot run, or a run directory that another live process is already training. Each
+would otherwise hang, fail in a traceback, train with the wrong world size, or interleave two runs' checkpoints.
 """
 
 import fcntl
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lm.errors import UserError
+from lm.training.config import RunConfig, check_mixer_options
+from lm.training.strategy import check_strategy
 
 LOCK_NAME = ".lm-train.lock"
 
@@ -31,6 +36,29 @@ def check_slurm_launch(world_size: int, env=os.environ) -> None:
         raise UserError(f"SLURM_NTASKS is {ntasks} but the run needs strategy.num_nodes x strategy.devices = "
                         f"{world_size} processes: submit with --nodes=num_nodes and --ntasks-per-node=devices "
                         f"(lm slurm submit does)")
+
+
+def check_nodes_launch(num_nodes: int, env=os.environ) -> None:
+    """Several nodes need a launcher that starts a process on each: srun (SLURM), torchrun, or each node started by
+    hand with MASTER_ADDR and NODE_RANK. Without one, the first node would wait for the others forever."""
+    if num_nodes == 1 or "SLURM_JOB_ID" in env:  # inside a job, check_slurm_launch checks the tasks
+        return
+    if not any(name in env for name in ("WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "TORCHELASTIC_RUN_ID")):
+        raise UserError(f"strategy.num_nodes {num_nodes} needs a launcher that starts every node: submit with "
+                        "`lm slurm submit` (srun), or start each node with torchrun (or MASTER_ADDR and NODE_RANK); "
+                        "started alone, this node would wait for the others forever")
+
+
+def check_launch(config: RunConfig) -> None:
+    """Everything the launch and the strategy ask of this machine (a RunConfig's), before `lm train` writes
+    anything; a silent change the Trainer would make is said once, on stderr."""
+    st = config.strategy
+    check_mixer_options(config.model)
+    check_slurm_launch(st.world_size)
+    check_nodes_launch(st.num_nodes)
+    check_strategy(st, config.optim.grad_clip, config.data.micro_batch)
+    if st.precision_notice and rank_zero_only.rank == 0:
+        print(f"lm train: warning: {st.precision_notice}", file=sys.stderr)
 
 
 class RunDirLock(L.Callback):

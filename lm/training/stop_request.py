@@ -1,36 +1,110 @@
-"""A stop request: SIGUSR1 or SIGTERM, a scheduler's preemption notice or time limit. `lm train` listens from its
-first line, because a notice can come while Python is still importing torch, and there the default action would
-kill the process with no checkpoint. callbacks.graceful_stop acts on the request at the next optimizer step. This module
-imports nothing heavy, so the CLI can start listening before anything else."""
+"""A stop request: SIGUSR1, SIGTERM or SIGINT (a scheduler's preemption notice or time limit, `timeout`, Ctrl-C),
+sent to `lm train` alone or to its whole process group (SLURM signals every process of a job step; a terminal's
+Ctrl-C and `timeout` signal the group).
 
+The signals are blocked in the process and taken by one thread waiting for them (`signal.sigwait`), so that:
+- they are seen at any moment, even while the main thread waits in C (a distributed rendezvous, torch's import);
+- the processes this one starts, data-loader workers among them, inherit them blocked: a group signal does not kill
+  a worker, and the main process alone decides (lm's own ranks, started as `lm train` too, listen for themselves);
+- Lightning's own handlers never see them (its SIGTERM handler would end training at once, without a checkpoint).
+
+Before training starts (`arm`), a request ends the process at once: nothing to save, one line, STOPPED_EXIT_CODE.
+After, it is noted: callbacks.graceful_stop checkpoints at the next optimizer step and `lm train` exits with
+STOPPED_EXIT_CODE. A second Ctrl-C stops at once, without a checkpoint. This module imports nothing heavy, so the CLI
+can start listening before anything else.
+"""
+
+import os
 import signal
+import sys
+import threading
 
-STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, with a checkpoint; run again to continue
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request (with a checkpoint once training ran); run again to continue
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C twice: stopped at once
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
 _requested = False
+_armed = False  # training has started: a request is acted on at the next step, not at once
+_finished = False  # training is over: a late request has nothing left to stop
+_listener: threading.Thread | None = None
+_quit = threading.Event()
 
 
 class StoppedForRequeue(Exception):
     """`lm train` stopped on request after checkpointing; the CLI exits with STOPPED_EXIT_CODE."""
 
 
-def _note(signum, frame):
+def is_rank_zero() -> bool:
+    """Whether this process is global rank 0 (the one that speaks), from what launchers set in the environment."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def _say(line: str) -> None:
+    if is_rank_zero():
+        print(f"lm train: {line}", file=sys.stderr, flush=True)
+
+
+def _on(signum: int) -> None:
     global _requested
-    _requested = True  # no I/O in a signal handler: the step boundary does the work
+    name = signal.Signals(signum).name
+    if _finished:
+        return
+    if not _armed:
+        _say(f"{name} before the first step: stopped at once, nothing to save; run again to start")
+        os._exit(STOPPED_EXIT_CODE)
+    if _requested and signum == signal.SIGINT:
+        _say("Ctrl-C again: stopped at once, without a checkpoint of this step")
+        os._exit(INTERRUPTED_EXIT_CODE)
+    if not _requested:
+        again = " (Ctrl-C again stops at once, without one)" if signum == signal.SIGINT else ""
+        _say(f"{name}: stopping at the next step with a checkpoint{again}")
+    _requested = True
 
 
-def listen() -> dict:
-    """Note SIGUSR1 / SIGTERM from now on; returns the handlers they replace."""
-    return {sig: signal.signal(sig, _note) for sig in SIGNALS}
+def _wait() -> None:
+    while not _quit.is_set():
+        signum = signal.sigwait(SIGNALS)
+        if not _quit.is_set():
+            _on(signum)
+
+
+def listen() -> bool:
+    """Take SIGUSR1 / SIGTERM / SIGINT from now on (call it from the main thread); True if this call started the
+    listener, False if it was already listening (the CLI starts it first thing)."""
+    global _listener, _finished
+    _finished = False
+    if _listener is not None and _listener.is_alive():
+        return False
+    _quit.clear()
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    _listener = threading.Thread(target=_wait, name="lm-stop-listener", daemon=True)
+    _listener.start()
+    return True
+
+
+def arm() -> None:
+    """Training has started: from now on a request stops at the next step, with a checkpoint."""
+    global _armed
+    _armed = True
 
 
 def ignore() -> None:
-    """Ignore SIGUSR1 / SIGTERM from now on: `lm train` has finished (complete, or stopped with a checkpoint), so a
-    late notice has nothing left to stop. Without this, one that came while the interpreter shuts down would kill the
-    process by the signal (Python restores the default action of every signal it handled), and a job script would
-    see neither 0 nor STOPPED_EXIT_CODE."""
-    for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    """`lm train` has finished (complete, or stopped with a checkpoint): a late notice has nothing left to stop, and
+    stays blocked until the process exits (it must not kill it by the signal while the interpreter shuts down)."""
+    global _finished
+    _finished = True
+
+
+def release() -> None:
+    """Give the signals back to the calling thread's handlers (a caller in Python, such as a test, that trained in its
+    own process): the listener stops and the signals are unblocked."""
+    global _listener, _armed
+    if _listener is not None and _listener.is_alive():
+        _quit.set()
+        signal.pthread_kill(_listener.ident, signal.SIGUSR1)  # wakes sigwait; taken there, not by the process
+        _listener.join()
+    _listener, _armed = None, False
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def requested() -> bool:
@@ -40,3 +114,4 @@ def requested() -> bool:
 def clear() -> None:
     global _requested
     _requested = False
+

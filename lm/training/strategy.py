@@ -6,6 +6,7 @@ changes. It becomes a Lightning strategy object, a precision and the Trainer's d
 
 import json
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -15,6 +16,13 @@ from lm.errors import UserError
 from lm.training.checkpoint_io import stream_save
 
 NAMES = ("auto", "single", "ddp", "deepspeed", "fsdp")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+# Lightning's precisions (lightning.fabric.plugins.precision.precision._PRECISION_INPUT), its aliases as Lightning
+# converts them; FSDP2 (Lightning's ModelParallelStrategy) takes only some of them.
+PRECISION_ALIASES = {"64": "64-true", "32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16", *PRECISION_ALIASES)
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
 @dataclass
@@ -24,10 +32,11 @@ class StrategyConfig:
     Args:
         name: "auto" (one device: single; more: ddp), "single", "ddp", "deepspeed" (ZeRO) or "fsdp" (FSDP2, one
             `fully_shard` per block, through Lightning's ModelParallelStrategy).
-        accelerator: "auto", "cpu" or "gpu".
+        accelerator: "auto", "cpu" or "gpu" ("cuda" is the same).
         devices: Processes (devices) per node, or "auto".
         num_nodes: Nodes.
-        precision: Lightning precision; None: bf16-mixed on GPU, 32-true on CPU.
+        precision: Lightning precision (32-true, bf16-mixed, bf16-true, 16-mixed, 16-true, 64-true,
+            transformer-engine); None: bf16-mixed on GPU, 32-true on CPU. 16-mixed on the CPU trains in bf16-mixed.
         zero_stage: DeepSpeed ZeRO stage 1, 2 or 3.
         offload_optimizer: DeepSpeed: keep optimizer state (and its step) on the CPU.
         offload_params: DeepSpeed stage 3: keep parameters on the CPU.
@@ -47,6 +56,10 @@ class StrategyConfig:
     def __post_init__(self):
         if self.name not in NAMES:
             raise UserError(f"strategy.name {self.name!r} is not one of {', '.join(NAMES)}")
+        if self.accelerator not in ACCELERATORS:
+            raise UserError(f"strategy.accelerator {self.accelerator!r} is not one of {', '.join(ACCELERATORS)}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UserError(f"strategy.precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.devices != "auto" and not (isinstance(self.devices, int) and self.devices >= 1):
             raise UserError(f"strategy.devices must be a number of at least 1 or \"auto\", got {self.devices!r}")
         if self.num_nodes < 1:
@@ -58,7 +71,7 @@ class StrategyConfig:
 
     @property
     def on_gpu(self) -> bool:
-        return self.accelerator == "gpu" or (self.accelerator == "auto" and torch.cuda.is_available())
+        return self.accelerator in ("gpu", "cuda") or (self.accelerator == "auto" and torch.cuda.is_available())
 
     @property
     def world_size(self) -> int:
@@ -69,7 +82,20 @@ class StrategyConfig:
 
     @property
     def resolved_precision(self) -> str:
-        return self.precision or ("bf16-mixed" if self.on_gpu else "32-true")
+        """The precision the Trainer gets: Lightning's own name for an alias, and bf16-mixed for 16-mixed on the CPU,
+        which Lightning would substitute itself (fp16 AMP does not run there; lm says so: precision_notice)."""
+        if self.precision is None:
+            return "bf16-mixed" if self.on_gpu else "32-true"
+        precision = PRECISION_ALIASES.get(self.precision, self.precision)
+        return "bf16-mixed" if precision == "16-mixed" and not self.on_gpu else precision
+
+    @property
+    def precision_notice(self) -> str | None:
+        """The line that says the precision asked for is not the one trained in, or None."""
+        if PRECISION_ALIASES.get(self.precision, self.precision) == "16-mixed" and not self.on_gpu:
+            return (f"strategy.precision {self.precision} (fp16 AMP) is not available on the CPU; training in "
+                    f"{self.resolved_precision}, as Lightning does")
+        return None
 
 
 class StreamingDeepSpeedStrategy(DeepSpeedStrategy):
@@ -148,19 +174,39 @@ def deepspeed_settings(cfg: StrategyConfig, grad_clip: float | None, micro_batch
     return settings
 
 
-def build_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int):
-    """The Lightning strategy (an object, or "auto") for the Trainer."""
+def check_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int) -> None:
+    """What the Trainer would refuse in a traceback, or wait on forever, refused here in one line: `lm train` calls it
+    before it writes anything, and build_strategy again."""
+    if cfg.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise UserError(f"strategy.accelerator {cfg.accelerator}: no GPU is available here "
+                        "(torch.cuda.is_available() is false); use cpu or auto")
+    if cfg.on_gpu and isinstance(cfg.devices, int) and cfg.devices > torch.cuda.device_count():
+        raise UserError(f"strategy.devices {cfg.devices}: this machine has {torch.cuda.device_count()} GPU(s)")
+    precision = cfg.resolved_precision
+    if precision.startswith("transformer-engine") and not (cfg.on_gpu and find_spec("transformer_engine")):
+        raise UserError(f"strategy.precision {cfg.precision} needs a GPU and the transformer_engine package")
     processes = cfg.devices if isinstance(cfg.devices, int) else None
     if cfg.name == "single" and (processes or 1) * cfg.num_nodes != 1:
         raise UserError(f"strategy.name single needs one device, not devices={cfg.devices} x num_nodes={cfg.num_nodes}")
+    if cfg.name == "fsdp" and processes is None:
+        raise UserError("strategy.name fsdp needs strategy.devices as a number (processes per node)")
+    if cfg.name == "fsdp" and precision not in FSDP_PRECISIONS:
+        raise UserError(f"strategy.name fsdp trains in {', '.join(FSDP_PRECISIONS)}, not strategy.precision "
+                        f"{cfg.precision}")
+    if cfg.name == "deepspeed":
+        deepspeed_settings(cfg, grad_clip, micro_batch)  # its JSON file
+
+
+def build_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int):
+    """The Lightning strategy (an object, or "auto") for the Trainer."""
+    check_strategy(cfg, grad_clip, micro_batch)
+    processes = cfg.devices if isinstance(cfg.devices, int) else None
     if cfg.name in ("auto", "single"):
         return "auto"
     backend = "nccl" if cfg.on_gpu else "gloo"
     if cfg.name == "ddp":
         return DDPStrategy(process_group_backend=backend)
     if cfg.name == "fsdp":
-        if processes is None:
-            raise UserError("strategy.name fsdp needs strategy.devices as a number (processes per node)")
         return ModelParallelStrategy(data_parallel_size=processes * cfg.num_nodes, tensor_parallel_size=1,
                                      save_distributed_checkpoint=True)
     settings = deepspeed_settings(cfg, grad_clip, micro_batch)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, ThroughputMonitor
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from lm.accounting.flops import train_flops_per_token
@@ -30,10 +30,12 @@ from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
 from lm.training.config import RunConfig
+from lm.training.console import quiet_known_noise
 from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
 from lm.training.data import CountConsumedWindows, TokenDataModule, count_windows
 from lm.training.data_only import reading_data_only, require_data_only
-from lm.training.launch_guard import RunDirLock, check_slurm_launch
+from lm.training.launch_guard import RunDirLock, check_launch
+from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
 from lm.training.stop_request import StoppedForRequeue
 from lm.training.strategy import StrategyConfig, build_strategy
@@ -189,7 +191,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
     """The Trainer of `config`, with training's own callbacks and then the caller's (the side concerns that build on
     training, such as in-loop evaluation)."""
     t, st = config.trainer, config.strategy
-    loggers = [CSVLogger(run_dir, name="logs")]
+    loggers = [StepCSVLogger(run_dir, name="logs")]
     if t.wandb:
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
@@ -236,6 +238,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     if config.eval.every and not any(getattr(c, "evaluates_in_loop", False) for c in callbacks):
         raise UserError("eval.every is set, but in-loop evaluation was not given: run `lm train`, or pass "
                         "lm.eval.in_loop.in_loop_callbacks(config)")
+    quiet_known_noise()  # Lightning's banners and tips, known deprecations (lm.training.console)
     # LMModule skips its clipping hook under DeepSpeed, which clips in its own step: Lightning's warning is moot.
     warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
     # Lightning's hint to use srun whenever srun exists is noise off SLURM; launch_guard checks real SLURM launches.
@@ -247,7 +250,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     config = with_document_resets(config, datamodule.manifest)
     world, accumulate, global_batch = batch_plan(config)
     check_source_tokens(config, global_batch)
-    check_slurm_launch(world)
+    check_launch(config)  # the launch, the strategy on this machine; says a silent precision change
     # Before anything is written: a bad --resume, or one this strategy cannot continue, changes nothing (resume_path
     # only writes a weights-only copy next to the checkpoint, after its own checks).
     checkpoint = resolve_resume(run_dir, resume)

@@ -23,11 +23,13 @@ Unset, nothing is added to the Trainer.
 import errno
 import os
 import signal
+import time
 
 import lightning as L
 import torch
 
 from lm.errors import UserError
+from lm.training import stop_request
 from lm.training.checkpoint_io import fail_next_save
 
 ENV = "LM_FAULTS"
@@ -58,7 +60,13 @@ class InjectFaults(L.Callback):
 
     def _signal(self, moment: str) -> None:
         if moment in self.signal_at:
-            os.kill(os.getpid(), self.signal_at.pop(moment))
+            sig = self.signal_at.pop(moment)
+            os.kill(os.getpid(), sig)
+            # The listener thread takes it (lm.training.stop_request): wait until it has, so that the request is
+            # noted at exactly this moment (before training, it ends the process there).
+            deadline = time.monotonic() + 10
+            while sig != signal.SIGKILL and not stop_request.requested() and time.monotonic() < deadline:
+                time.sleep(0.001)
 
     def on_fit_start(self, trainer, pl_module):
         self._signal("fit_start")

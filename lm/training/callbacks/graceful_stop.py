@@ -1,11 +1,10 @@
-"""Stop a run cleanly on SIGUSR1 or SIGTERM (a scheduler's preemption notice or time limit).
+"""Stop a run cleanly on SIGUSR1, SIGTERM or SIGINT (a scheduler's preemption notice or time limit, Ctrl-C).
 
-The handler (lm.training.stop_request) only sets a flag. After each optimizer step every rank sums the flags (one
-all-reduce), so all of them agree to stop at the same step; they write a checkpoint of that step together, the
-Trainer stops, and `lm train` exits with STOPPED_EXIT_CODE, which tells a job script to requeue rather than to give up.
+The listener (lm.training.stop_request) only sets a flag once training has started. After each optimizer step every
+rank sums the flags (one all-reduce), so all of them agree to stop at the same step; they write a checkpoint of that
+step together, the Trainer stops, and `lm train` exits with STOPPED_EXIT_CODE, which tells a job script to requeue
+rather than to give up.
 """
-
-import signal
 
 import lightning as L
 import torch
@@ -16,21 +15,27 @@ from lm.training import stop_request
 class GracefulStop(L.Callback):
     def __init__(self):
         self.stopped = False
-        self._previous = {}
+        self._started_listening = False
         self._seen_step = None
 
     def on_fit_start(self, trainer, pl_module):
         self._seen_step = trainer.global_step
 
     def on_train_start(self, trainer, pl_module):
-        # Again, and here: Lightning installs its own SIGTERM handler after on_fit_start. Left in place, it ends
-        # training at once with no checkpoint, and `lm train` would exit 0 as if the run were complete.
-        self._previous = stop_request.listen()
+        # `lm train` listens from its first line; a caller in Python that trains in its own process starts here.
+        self._started_listening = stop_request.listen()
+        stop_request.arm()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._release()
+
+    def _release(self):
+        if self._started_listening:
+            stop_request.release()
+            self._started_listening = False
 
     def on_fit_end(self, trainer, pl_module):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        self._release()
         if self.stopped:
             stop_request.clear()  # acted on; a later fit in this process starts afresh
 

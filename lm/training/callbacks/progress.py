@@ -3,8 +3,13 @@ SLURM .out file, `lm train > log`) a plain line every `every` steps (ProgressLin
 happens, since a live bar written to a file shows nothing until the run ends.
 
     step 10/20 | loss 5.4123 | tokens/s 12,345 | elapsed 0:00:04 | eta 0:00:04
+    step 10/20 | val loss 5.5012 | val ppl 245.00
+
+Validation has a line of its own as it ends (on the bar, Lightning's `val/loss`), at the step it followed: the step
+that metrics.csv (lm.training.metrics_log) and the checkpoints give it too.
 """
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -21,9 +26,9 @@ def clock(seconds: float) -> str:
 
 
 class ProgressLines(L.Callback):
-    """One line on stdout every `every` optimizer steps and at the last, from global rank 0. tokens/s is the whole
-    run's (this rank's tokens times the world size) over the wall-clock time since the previous line, validation and
-    checkpoints included; the ETA extrapolates this launch's mean time per step."""
+    """One line on stdout every `every` optimizer steps and at the last, and one after each validation, from global
+    rank 0. tokens/s is the whole run's (this rank's tokens times the world size) over the wall-clock time since the
+    previous line, validation and checkpoints included; the ETA extrapolates this launch's mean time per step."""
 
     def __init__(self, every: int, tokens_of: Callable[[torch.Tensor], int]):
         self.every, self.tokens_of = every, tokens_of
@@ -47,6 +52,15 @@ class ProgressLines(L.Callback):
             print(f"step {step}/{trainer.max_steps} | loss {'n/a' if loss is None else f'{float(loss):.4f}'} | "
                   f"tokens/s {tokens_per_s:,.0f} | elapsed {clock(elapsed)} | eta {clock(eta)}", flush=True)
         self.last_step, self.window_start, self.window_tokens = step, now, 0
+
+    def on_validation_end(self, trainer, pl_module):
+        """A line with the loss of the validation that just ended (a mixture's: its sources' mean, weighted as
+        training draws them) and its perplexity, as val/ppl logs it."""
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.sanity_checking or trainer.state.fn != "fit" or not trainer.is_global_zero or loss is None:
+            return
+        print(f"step {trainer.global_step}/{trainer.max_steps} | val loss {float(loss):.4f} | "
+              f"val ppl {math.exp(min(float(loss), 50.0)):.2f}", flush=True)
 
 
 class StepProgressBar(TQDMProgressBar):
