@@ -60,7 +60,7 @@ COMMANDS = {
                             "configs + a sweep per lr and seed", "compare"),
     "compare report": Command("lm.compare.report:report_from_args", "runs side by side (best lr per architecture): "
                               "report.md, report.csv, PNG plots, report.html", "compare"),
-    "compare demo": Command("lm.compare.demo:compare_demo", "the comparison on CPU (under 20 min): every mixer and "
+    "compare demo": Command("lm.compare.demo:compare_demo", "the comparison on CPU (about 15 min): every mixer and "
                             "Hawk-Mesa, matched parameters, corpus + MQAR", "compare"),
     "compare ladder": Command("lm.compare.ladder:ladder", "scaling curves per architecture: lr sweep, rungs x seeds "
                               "(local or SLURM), fits with intervals", "compare"),
@@ -78,8 +78,8 @@ COMMANDS = {
                             "bench"),
     "bench plan-memory": Command("lm.bench.plan_memory:bench_plan_memory", "per-GPU memory plan of run configs, "
                                  "the micro_batch that fits a GPU; --check vs CPU peaks", "bench"),
-    "bench data": Command("lm.bench.data_speed:bench_data", "data-loader tokens/s vs a training step's, and "
-                          "data_prep's tokenizing vs tokenizers' encode_batch", "bench"),
+    "bench data": Command("lm.bench.data_speed:bench_data", "data-loader tokens/s vs a training step's; "
+                          "data_prep's tokenizing vs encode_batch", "bench"),
     "bench peers": Command("lm.bench.peers:bench_peers", "lm vs litgpt's GPT (training step) and mlstm_kernels' "
                            "native mLSTM (forward+backward), ratios", "bench"),
     "bench strategies": Command("lm.bench.strategy_memory:bench_strategy_memory",

@@ -3,17 +3,20 @@ streamed writer (lm.training.checkpoint_io.StreamingCheckpointIO) against Lightn
 checkpoint of a real LMModule (its weights, AdamW's two moments, the Lightning keys).
 
 Each writer saves in a fresh process of its own, so that nothing an earlier save freed can hide a later one's memory:
-- extra host memory: the process's peak resident memory (ru_maxrss) after the save minus before it, over the file's
-  size. The weights and moments are filled with values first, so that every page of them is resident before;
+- extra host memory: the process's peak resident memory during the save (VmHWM, reset to the resident size just
+  before it through /proc/self/clear_refs, after freed memory went back to the system) minus the resident size
+  before, over the file's size. The weights and moments are filled with values first, so that every page of them is
+  resident before;
 - bytes written outside the run directory: the bytes the process handed to write() during the save (/proc/self/io,
   wchar) minus the bytes that the run directory gained. The process's temp directory (TMPDIR) is put on another
   filesystem than the run directory (/dev/shm), as a cluster node's often is: a file staged there and moved into
   the run directory is then copied, and its bytes count once outside and once inside.
 """
 
+import ctypes
+import gc
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,13 @@ from lm.bench.results import print_and_save
 from lm.errors import UserError
 
 WRITERS = ("lm", "lightning")
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
 
 
 def _written_bytes() -> int:
@@ -63,13 +73,16 @@ def save_once(writer: str, run_dir: str, d_model: int, n_layers: int, vocab: int
     io = StreamingCheckpointIO() if writer == "lm" else TorchCheckpointIO()
     path = Path(run_dir) / "checkpoints" / "step=00000001.ckpt"
     path.parent.mkdir(parents=True)
-    peak_before, written_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _written_bytes()
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what was freed goes back to the system: resident is what is live
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the resident size (VmRSS)
+    before, written_before = _status_bytes("VmRSS"), _written_bytes()
     io.save_checkpoint(checkpoint, path)
-    peak_after, written = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _written_bytes()
+    peak, written = _status_bytes("VmHWM"), _written_bytes()
     size = path.stat().st_size
     in_run_dir = sum(p.stat().st_size for p in Path(run_dir).rglob("*") if p.is_file())
     return {"writer": writer, "checkpoint_mb": round(size / 2**20, 1),
-            "extra_memory_ratio": round((peak_after - peak_before) / size, 3),
+            "extra_memory_ratio": round((peak - before) / size, 3),
             "bytes_outside_run_dir": written - written_before - in_run_dir}
 
 

@@ -27,7 +27,6 @@ _requested = False
 _armed = False  # training has started: a request is acted on at the next step, not at once
 _finished = False  # training is over: a late request has nothing left to stop
 _listener: threading.Thread | None = None
-_quit = threading.Event()
 
 
 class StoppedForRequeue(Exception):
@@ -62,24 +61,39 @@ def _on(signum: int) -> None:
 
 
 def _wait() -> None:
-    while not _quit.is_set():
-        signum = signal.sigwait(SIGNALS)
-        if not _quit.is_set():
-            _on(signum)
+    while True:
+        _on(signal.sigwait(SIGNALS))
 
 
-def listen() -> bool:
-    """Take SIGUSR1 / SIGTERM / SIGINT from now on (call it from the main thread); True if this call started the
-    listener, False if it was already listening (the CLI starts it first thing)."""
+def listen() -> None:
+    """Take SIGUSR1 / SIGTERM / SIGINT from now on, in the listener thread. Call it first thing in the process, from
+    the main thread, before any other thread exists: a thread started earlier would not block them, and the kernel
+    could hand it one, whose default action ends the process."""
     global _listener, _finished
     _finished = False
-    if _listener is not None and _listener.is_alive():
-        return False
-    _quit.clear()
+    if listening():
+        return
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     _listener = threading.Thread(target=_wait, name="lm-stop-listener", daemon=True)
     _listener.start()
-    return True
+
+
+def listening() -> bool:
+    return _listener is not None and _listener.is_alive()
+
+
+def handle_here() -> dict:
+    """For a caller in Python that trains in its own process (a test, a notebook), where other threads already run:
+    Python handlers in the main thread instead of the listener; returns the handlers they replace (for `restore`)."""
+    return {sig: signal.signal(sig, lambda signum, frame: _on(signum)) for sig in SIGNALS}
+
+
+def restore(previous: dict) -> None:
+    """Put back the handlers `handle_here` replaced; training is over."""
+    global _armed
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    _armed = False
 
 
 def arm() -> None:
@@ -93,18 +107,6 @@ def ignore() -> None:
     stays blocked until the process exits (it must not kill it by the signal while the interpreter shuts down)."""
     global _finished
     _finished = True
-
-
-def release() -> None:
-    """Give the signals back to the calling thread's handlers (a caller in Python, such as a test, that trained in its
-    own process): the listener stops and the signals are unblocked."""
-    global _listener, _armed
-    if _listener is not None and _listener.is_alive():
-        _quit.set()
-        signal.pthread_kill(_listener.ident, signal.SIGUSR1)  # wakes sigwait; taken there, not by the process
-        _listener.join()
-    _listener, _armed = None, False
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def requested() -> bool:

@@ -15,24 +15,26 @@ from lm.training import stop_request
 class GracefulStop(L.Callback):
     def __init__(self):
         self.stopped = False
-        self._started_listening = False
+        self._previous = {}
         self._seen_step = None
 
     def on_fit_start(self, trainer, pl_module):
         self._seen_step = trainer.global_step
 
     def on_train_start(self, trainer, pl_module):
-        # `lm train` listens from its first line; a caller in Python that trains in its own process starts here.
-        self._started_listening = stop_request.listen()
+        # `lm train` listens from its first line; a caller in Python that trains in its own process handles the
+        # signals here, in the main thread (Lightning has installed its own SIGTERM handler by now: replaced).
+        if not stop_request.listening():
+            self._previous = stop_request.handle_here()
         stop_request.arm()
 
     def on_exception(self, trainer, pl_module, exception):
         self._release()
 
     def _release(self):
-        if self._started_listening:
-            stop_request.release()
-            self._started_listening = False
+        if self._previous:
+            stop_request.restore(self._previous)
+            self._previous = {}
 
     def on_fit_end(self, trainer, pl_module):
         self._release()
