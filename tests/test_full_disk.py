@@ -6,6 +6,7 @@ On a real small filesystem (a tmpfs, mounted as root: CI runs as root) for a sin
 through LM_FAULTS (enospc@step:N), which fails a write once part of the file is on disk, for a single file and for
 DeepSpeed's shards on every rank."""
 
+import errno
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command
 
 from lm.errors import WRITE_FAILED_EXIT_CODE
+from lm.training.checkpoint import _disk_refuses
 from lm.training.consolidate import consolidate
 
 FIRST, FULL = "step=00000002.ckpt", "step=00000004.ckpt"
@@ -86,3 +88,25 @@ def test_a_real_full_disk_ends_in_one_line_and_resumes(name, strategy_runs, tmp_
     finally:
         subprocess.run(["umount", str(disk)], check=True)
     assert_resumes_to(tmp_path / "run", strategy_runs["config"], flags, strategy_runs[name])
+
+
+
+def test_a_save_that_failed_on_a_full_disk_is_named_as_one(tmp_path):
+    """A write that fills the disk part way returns short without an errno, and torch's zip writer (DCP's shards)
+    then fails with its own RuntimeError ("unexpected pos ..."): the disk is asked, and its ENOSPC is the save's."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, 4 << 20):  # room for the 1 MiB that asks
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root and must mount a tmpfs")
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with open(disk / "shard", "wb", buffering=0) as shard:
+            assert shard.write(bytes(8 << 20)) < 8 << 20  # short, no errno
+        error = _disk_refuses(RuntimeError("unexpected pos 704 vs 598"), disk)
+        assert error is not None and error.errno == errno.ENOSPC
+        assert [p.name for p in disk.iterdir()] == ["shard"]  # asking left nothing behind
+        (disk / "shard").unlink()
+        assert _disk_refuses(RuntimeError("unexpected pos 704 vs 598"), disk) is None  # room: not the disk's error
+        assert [p.name for p in disk.iterdir()] == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

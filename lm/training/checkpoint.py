@@ -66,7 +66,7 @@ class StepCheckpoint(ModelCheckpoint):
             if error is None and trainer.is_global_zero:
                 self._commit(tmp, final, trainer.global_step)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
-            error = write_error_in(err)
+            error = write_error_in(err) or _disk_refuses(err, tmp.parent)
             if error is None:
                 raise
         # Every rank learns of a failure on any rank, and all end together (rank 0's line says it).
@@ -146,6 +146,27 @@ def write_error_in(err: BaseException) -> OSError | None:
             if found is not None:
                 return found
         err = err.__cause__ or err.__context__
+    return None
+
+
+def _disk_refuses(err: BaseException, directory: Path) -> OSError | None:
+    """Why the disk took no more, if it did not: a write that fills a disk part way returns short without an errno,
+    and torch's zip writer reports that as its own RuntimeError ("unexpected pos"), as DCP's shards do. So after a
+    failed save, 1 MiB more is written beside it (before its partial copy is removed): the OSError that write meets
+    (ENOSPC, EDQUOT) is the save's. None if the disk takes it, or if the save was interrupted, not failed."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return None
+    probe = directory / f".lm-space-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb", buffering=0) as file:
+            data = memoryview(bytes(1 << 20))
+            while data:
+                data = data[file.write(data):]  # a short write is retried, and the retry meets the errno
+            os.fsync(file.fileno())
+    except OSError as probe_error:
+        return probe_error
+    finally:
+        probe.unlink(missing_ok=True)
     return None
 
 
