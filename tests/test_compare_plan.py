@@ -195,3 +195,25 @@ def test_data_sets_the_prepared_data_of_every_config(tmp_path, capsys):
     kept = data_of("mixture", "--base", str(mixture))
     assert [[s.path for s in d.sources] for d in kept] == [["data/a", "data/b"]] * 2
     capsys.readouterr()
+
+
+def test_a_variant_carries_its_options_and_a_tolerance_run_is_planned_at_its_expected_steps(tmp_path):
+    """"mesa@cg_tol=1e-3" is Mesa with that option in its configs, matched as Mesa is; its planned FLOPs charge the
+    expected CG steps (Mesa.expected_cg_steps), not cg_steps, and the plan says so."""
+    from lm.mixers import MIXERS
+
+    result = plan(archs="mesa,mesa@cg_tol=1e-3", params=3e6, vocab_size=4096, seq_len=256, out=str(tmp_path),
+                  lrs=[1e-3])
+    fixed, stopped = result["archs"]
+    assert stopped["arch"] == "mesa@cg_tol=1e-3" and stopped["model"]["mixer_options"]["mesa"]["cg_tol"] == 1e-3
+    assert {k: v for k, v in stopped["model"].items() if k != "mixer_options"} == \
+        {k: v for k, v in fixed["model"].items() if k != "mixer_options"}
+    steps = MIXERS["mesa"].expected_cg_steps(30, 1e-3)
+    assert 0 < steps < 30
+    at_steps = LMConfig(**{**fixed["model"], "mixer_options": {"mesa": {"cg_steps": steps}}})
+    assert stopped["train_flops_per_token"] == train_flops_per_token(at_steps, 256) < fixed["train_flops_per_token"]
+    assert any(f"planned at {steps} expected CG steps" in note for note in result["notes"])
+    config = yaml.safe_load(Path(stopped["configs"][0]).read_text())
+    assert config["model"]["mixer_options"] == {"mesa": {"cg_tol": 1e-3}}
+    with pytest.raises(UserError, match="not OPTION=VALUE for an option of mesa"):
+        plan(archs="mesa@window=3", params=3e6, dry_run=True)

@@ -56,9 +56,9 @@ def write_harness_results(run: Path) -> None:
                                                   "limit": None, "results": results, "versions": {}}, indent=1))
 
 
-def shift_column(path: Path, columns: list[str], delta: float) -> None:
-    """Add delta to every value logged in `columns` of a CSV file, keeping its layout and its time stamp (the
-    report takes the newest eval of a run)."""
+def shift_column(path: Path, columns: list[str], delta: float | None) -> None:
+    """Add delta to every value logged in `columns` of a CSV file (None: blank them), keeping its layout and its time
+    stamp (the report takes the newest eval of a run)."""
     stamp = path.stat()
     with open(path) as f:
         reader = csv.DictReader(f)
@@ -66,7 +66,7 @@ def shift_column(path: Path, columns: list[str], delta: float) -> None:
     for row in rows:
         for column in columns:
             if row.get(column):
-                row[column] = repr(float(row[column]) + delta)
+                row[column] = "" if delta is None else repr(float(row[column]) + delta)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=header)
         writer.writeheader()
@@ -87,6 +87,8 @@ def derive(source: Path, name: str, delta: float, model: dict | None = None, lr:
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     for metrics in (run / "logs").rglob("metrics.csv"):
         shift_column(metrics, ["train/loss", "val/loss"], delta)
+        if model:  # the FLOPs the source's model spent are not this one's: the report counts them (analytic)
+            shift_column(metrics, ["train/flops"], None)
     if not keep_logs:
         shutil.rmtree(run / "logs")
     if keep_evals:

@@ -243,3 +243,24 @@ def test_parameter_counts_with_and_without_embeddings():
         model = LanguageModel(cfg)
     assert flops.param_count(cfg) == model.num_params()
     assert flops.param_count(cfg, embeddings=False) == model.num_params(embeddings=False)
+
+
+
+def test_a_tolerance_stopped_mesa_counts_the_steps_it_ran():
+    """With cg_tol, the CG loop stops when its last token has converged: the FLOPs a call reports as spent
+    (Mesa.flops_spent_per_token, from its telemetry) are what the counter sees it run, forward and with the adjoint
+    solve, and far fewer than cg_steps would cost."""
+    B, T, d, h, hd = 2, 40, 32, 2, 16
+    torch.manual_seed(0)
+    options = {"chunk_size": CHUNK, "cg_steps": 30, "cg_tol": 1e-2, "backend": "torch"}
+    mixer = MIXERS["mesa"](d, h, hd, 0, **options)
+    x = torch.randn(B, T, d, requires_grad=True)
+    counted_forward, counted_train = counted(lambda: mixer(x)[0])
+    info = {key: float(value) for key, value in mixer.metrics().items()}
+    assert 0 < info["cg_iterations_run"] < 30 and 0 < info["cg_adjoint_iterations_run"] < 30
+    assert info["cg_iterations_run"] > info["cg_iterations"] + 1  # the loop runs its slowest token's steps
+    vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=False), counted_forward, tol=TOL + vectors)
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=True), counted_train, tol=TOL + vectors)
+    at_most = mixer.flops_per_token(d, h, hd, T, True, **{**options, "cg_tol": None})
+    assert mixer.flops_spent_per_token(T, training=True) < 0.8 * at_most

@@ -306,7 +306,7 @@ def test_crossover_verdicts_follow_the_share_of_replicates_that_cross():
     a2 = (1.6 + 100 * 1e12 ** -0.2 - e2) * 1e12 ** alpha2  # makes L2(1e12) = L1(1e12)
     first = np.array([math.log(1.6), math.log(100.0), 0.2])
     second = np.array([math.log(e2), math.log(a2), alpha2])
-    spec = type("Spec", (), {"level": 0.9, "lr": LrSweep((1e-3,))})()
+    spec = type("Spec", (), {"level": 0.9, "lr": LrSweep((1e-3,)), "seeds": (0, 1), "rungs": (1e5, 2e5, 4e5)})()
     rng = np.random.default_rng(0)
 
     def fits(spread: float, target: float) -> dict:
@@ -326,7 +326,21 @@ def test_crossover_verdicts_follow_the_share_of_replicates_that_cross():
     assert verdict == f"no crossover up to the target: one lower there in {lower.split('(')[1][:-1]} of replicates"
     assert share == "0%" and lower.startswith("one")
     ((_, verdict, _, _),) = crossover_rows(fits(30.0, 1e14), spec, 1e9, 1e14)
-    assert verdict == "the data cannot tell"
+    assert verdict.startswith("the data cannot tell; ")
+
+
+def test_an_undecided_pair_says_how_many_seeds_would_decide():
+    """The log-loss gap at the target over the replicates, mean 0.01 and spread 0.02: one is lower in 90% of them
+    once the spread shrinks by 1.2816 x 0.02 / 0.01, i.e. with (2.563)^2 = 6.57x the runs: 14 seeds for 2, or 20
+    rungs for 3. A gap of 0 is never decided."""
+    from lm.compare.ladder_report import more_seeds_needed
+
+    spec = type("Spec", (), {"level": 0.9, "seeds": (0, 1), "rungs": (1e5, 2e5, 4e5)})()
+    gap = np.random.default_rng(0).standard_normal(200_000)
+    gap = 0.01 + 0.02 * (gap - gap.mean()) / gap.std()
+    said = more_seeds_needed(np.exp(gap), np.ones_like(gap), spec)
+    assert said.startswith("about 14 seeds per rung (or 20 rungs at 2 seeds)"), said
+    assert "more than 100x" in more_seeds_needed(np.exp(gap - gap.mean()), np.ones_like(gap), spec)
 
 
 def test_a_run_that_diverges_ends_as_diverged_with_an_infinite_loss(kjv_data, tmp_path, monkeypatch):

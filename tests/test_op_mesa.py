@@ -243,8 +243,8 @@ def test_tolerance_saves_iterations_at_small_error():
     assert abs(info_c["iterations"] - info_r["iterations"]) < 0.05
 
 
-FORWARD_INFO = {"iterations", "residual", "residual_max", "diag_ratio"}
-ADJOINT_INFO = {"adjoint_iterations", "adjoint_residual", "adjoint_residual_max"}
+FORWARD_INFO = {"iterations", "iterations_run", "residual", "residual_max", "diag_ratio"}
+ADJOINT_INFO = {"adjoint_iterations", "adjoint_iterations_run", "adjoint_residual", "adjoint_residual_max"}
 
 
 @pytest.mark.parametrize("cg_tol", [None, 1e-3])
@@ -259,8 +259,10 @@ def test_return_info(cg_tol):
         assert all(isinstance(t, torch.Tensor) and t.dim() == 0 and not t.requires_grad for t in stats.values())
         assert 0 < stats["iterations"] <= 4
         assert torch.isfinite(stats["residual"]) and 0 <= stats["residual"] <= stats["residual_max"]
+        assert stats["iterations"] <= stats["iterations_run"] <= 4  # a loop runs until its slowest token is done
     if cg_tol is None:  # no early stop: every token takes every step
         assert info["iterations"] == info_rec["iterations"] == info["adjoint_iterations"] == 4
+        assert info["iterations_run"] == info_rec["iterations_run"] == info["adjoint_iterations_run"] == 4
     _, _, info0 = chunkwise(x, cg_steps=0, return_info=True)
     assert info0["iterations"] == 0 and info0["residual"] == 1
 

@@ -173,8 +173,21 @@ def test_step_for_step_the_torch_code():
             torch.testing.assert_close(grads[name], grads_t[name], rtol=1e-10, atol=1e-10, msg=name)
         assert info.keys() == info_t.keys()
         for key in info:
+            if key.endswith("iterations_run"):  # a program stops with its chunk's last token, the torch loop with T's
+                assert info[key] <= info_t[key] and info[key] >= info[key[:-4]]
+                assert (info[key] == info_t[key]) == ("cg_tol" not in kw), key
+                continue
             tol = 0 if "iterations" in key or key == "diag_ratio" else 1e-10
             torch.testing.assert_close(info[key], info_t[key], rtol=tol, atol=tol, msg=key)
+
+
+def test_the_steps_run_are_each_programs_slowest_tokens():
+    """The FLOP count's CG steps for the kernels: each program (a chunk of one batch and head) runs until its slowest
+    token has converged; the mean over the programs, per token. T = 5 in chunks of 2: programs [1, 4], [2, 0], [3]."""
+    from lm.ops.mesa import _run_per_program
+
+    iterations = torch.tensor([[[1.0, 4, 2, 0, 3]], [[0.0, 0, 5, 1, 1]]])  # [B, H, T]
+    assert float(_run_per_program(iterations, 2)) == (4 + 2 + 3 + 0 + 5 + 1) / 6
 
 
 def test_cg_steps_zero_is_linear_attention():

@@ -26,7 +26,13 @@ stated rules: the counter counts attention's full T x T products whatever the ca
 PyTorch's CPU flash kernel, so the test runs the math backend); it has no formula for `linalg_solve_triangular`; its
 convolution backward ignores groups (it counts a depthwise conv's weight gradient channels times too large); and it
 counts no elementwise work. The fla / mlstm_kernels GPU kernels compute in other orders (e.g. an explicit inverse of
-the UT matrix), within a few percent of these counts. With cg_tol, Mesa's CG may stop early: cg_steps is the most.
+the UT matrix), within a few percent of these counts.
+
+As spent: with cg_tol, Mesa's CG stops early, so what a run spent depends on its data. `flops_spent_per_token` counts
+a model's last call from its mixers' telemetry (each mixer's `flops_spent_per_token`: Mesa's CG steps as run, forward
+and adjoint, each loop charged until its last token converged); training logs it (lm.training.callbacks.spent_flops)
+and MFU, `lm compare report` and the ladder's L(C) use it. The analytic functions above charge cg_steps, the most;
+plans estimate a tolerance run with `expected_cg_steps` and say so.
 """
 
 from lm.mixers import MIXERS
@@ -79,3 +85,21 @@ def train_flops_per_token(cfg: LMConfig, seq_len: int) -> float:
     mixers = cfg.layer_mixers()
     mlp_and_head = forward_flops_per_token(cfg, seq_len) - sum(mixer_flops(name, cfg, seq_len) for name in mixers)
     return 3 * mlp_and_head + sum(mixer_flops(name, cfg, seq_len, training=True) for name in mixers)
+
+
+def flops_notes(cfg: LMConfig) -> list[str]:
+    """What the model's FLOP count assumes beyond its shape (each mixer's `flops_note`: Mesa's expected CG steps with
+    cg_tol), once per mixer."""
+    notes = (MIXERS[name].flops_note(**cfg.mixer_options.get(name, {})) for name in dict.fromkeys(cfg.layer_mixers()))
+    return [note for note in notes if note]
+
+
+def flops_spent_per_token(model, seq_len: int, training: bool) -> float:
+    """FLOPs per token of `model`'s last call as it ran (a LanguageModel; training: with its backward): the MLPs and
+    head as counted above, and each layer's mixer as it spent them (`Mixer.flops_spent_per_token`). Equal to
+    train_flops_per_token (forward_flops_per_token) unless a mixer's work depends on the data."""
+    cfg, mixers = model.cfg, [block.mixer for block in model.blocks]
+    total = train_flops_per_token(cfg, seq_len) if training else forward_flops_per_token(cfg, seq_len)
+    for name, mixer in zip(cfg.layer_mixers(), mixers, strict=True):
+        total += mixer.flops_spent_per_token(seq_len, training) - mixer_flops(name, cfg, seq_len, training)
+    return total

@@ -129,7 +129,10 @@ def sweep_runs(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> list[Run]:
 
 
 def plan_table(spec: LadderSpec, rungs: dict, sweep_runs: int) -> str:
-    """The rungs, and how many runs the ladder takes."""
+    """The rungs, how many runs the ladder takes, and what the planned FLOPs assume (Mesa's expected CG steps)."""
+    from lm.accounting.flops import flops_notes
+    from lm.model import LMConfig
+
     header = ["arch", "rung", "d_model", "n_layers", "params", "train FLOPs/token", "tokens", "steps", "compute"]
     rows = [[r.arch, r.label, r.model["d_model"], r.model["n_layers"], f"{r.params:,}", sci(r.flops_per_token),
              count(r.tokens), r.steps, sci(r.flops_per_token * r.tokens)] for rs in rungs.values() for r in rs]
@@ -137,10 +140,11 @@ def plan_table(spec: LadderSpec, rungs: dict, sweep_runs: int) -> str:
               f"{spec.tokens_per_param:g} tokens per target parameter")
     reused = sum(len(swept(spec, rs)) for rs in rungs.values())  # each swept rung's best-lr run is a stage-2 run
     runs = sweep_runs + sum(len(spec.seeds) * len(rs) for rs in rungs.values()) - reused
+    notes = {f"{arch}: {note}." for arch, rs in rungs.items() for note in flops_notes(LMConfig(**rs[0].model))}
     return (f"# lm compare ladder: {spec.path}\n\n{len(spec.rungs)} rungs x {len(spec.archs)} architectures, matched "
             f"{spec.match}, {budget}; lr grid {list(spec.lr.grid)} on the {spec.lr.sweep_rungs} smallest rung(s) "
             f"({sweep_runs} sweep runs), seeds {list(spec.seeds)}: {runs} runs.\n\n"
-            + markdown_table(header, rows) + "\n")
+            + markdown_table(header, rows) + "\n" + "".join(f"\n{note}\n" for note in sorted(notes)))
 
 
 def mfu_of(gpu, model: dict) -> float | None:

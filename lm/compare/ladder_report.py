@@ -20,16 +20,28 @@ DEFAULT_TARGET_FACTOR = 100.0  # without target_compute: predict at 100x the lad
 SEED = 0  # of the bootstrap
 
 
-def points(runs, loss_of) -> dict[str, list[dict]]:
-    """Per architecture, each run of stage 2: its compute, params, tokens and final loss (inf: diverged)."""
+def points(runs, loss_of, compute_of=None) -> dict[str, list[dict]]:
+    """Per architecture, each run of stage 2: its compute (`compute_of(run)`: the FLOPs it spent, or None; else as
+    planned), params, tokens and final loss (inf: diverged)."""
     found = defaultdict(list)
     for run in runs:
         loss = loss_of(run)
+        spent = compute_of(run) if compute_of else None
         found[run.rung.arch].append({"run": run.name, "rung": run.rung.label, "target": run.rung.target,
                                      "budget": run.rung.budget, "seed": run.seed, "lr": run.lr,
                                      "params": run.rung.params, "tokens": run.rung.tokens,
-                                     "compute": run.rung.flops_per_token * run.rung.tokens, "loss": loss})
+                                     "compute": spent or run.rung.flops_per_token * run.rung.tokens, "loss": loss})
     return found
+
+
+def spent_compute(run_dir: Path) -> float | None:
+    """The training FLOPs a finished run logged as spent (train/flops; lm/compare/run_results.py), or None."""
+    from lm.compare.run_results import read_run
+
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    results = read_run(str(run_dir))
+    return results.flops if results.spent is not None and results.steps else None
 
 
 def isoflop(rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -100,9 +112,28 @@ def crossover_rows(fits: dict, spec, low: float, target: float) -> list[list[str
             elif point is None and share <= 1 - spec.level:
                 verdict = f"no crossover up to the target: {leader} lower there in {sure:.0%} of replicates"
             else:
-                verdict = "the data cannot tell"
+                verdict = "the data cannot tell; " + more_seeds_needed(f1["target_samples"], f2["target_samples"],
+                                                                      spec)
             rows.append([f"{first} / {second}", verdict, f"{share:.0%}", f"{leader} ({sure:.0%})"])
     return rows
+
+
+def more_seeds_needed(samples_1, samples_2, spec) -> str:
+    """How many seeds per rung (or rungs at these seeds) would put one architecture lower at the target in `level` of
+    the replicates, from the bootstrap: the gap in log loss there has mean m and spread s over the replicates; s
+    shrinks as 1 / sqrt(runs) (seeds resampled within rungs), so the level is reached at runs x (z s / m)^2, z the
+    normal quantile of `level`. An estimate: more rungs over a wider range also shorten the extrapolation."""
+    from statistics import NormalDist
+
+    gap = np.log(np.asarray(samples_1)) - np.log(np.asarray(samples_2))
+    gap = gap[np.isfinite(gap)]
+    mean, spread = float(np.mean(gap)), float(np.std(gap))
+    factor = (NormalDist().inv_cdf(spec.level) * spread / abs(mean)) ** 2 if mean else math.inf
+    if factor > 100:
+        return "more than 100x the runs would be needed: the two are equal within the seeds' noise"
+    seeds, rungs = len(spec.seeds), len(spec.rungs)
+    return (f"about {math.ceil(seeds * factor)} seeds per rung (or {math.ceil(rungs * factor)} rungs at "
+            f"{seeds} seeds) would, from the bootstrap's spread")
 
 
 def plot(fits: dict, found: dict, low: float, target: float, path: Path, level: float) -> None:
@@ -182,7 +213,7 @@ def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_
 
     report_dir = out / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
-    found = points(runs, loss_of)
+    found = points(runs, loss_of, lambda run: spent_compute(dir_of(run)))
     parabolas, fitted = {}, dict(found)  # iso-FLOP: L(C) fits each budget's best size
     if spec.budgets:
         for arch, rows in found.items():

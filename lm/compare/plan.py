@@ -47,13 +47,13 @@ with `--submit true` (`--dry_run true` prints the table only).
 """
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
 import yaml
 
-from lm.accounting.flops import param_count, train_flops_per_token
+from lm.accounting.flops import flops_notes, param_count, train_flops_per_token
 from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.protocol import at_length
@@ -70,7 +70,7 @@ WARMUP_FRACTION = 0.1
 # (d_model, n_layers, head_dim), n_heads = d_model / head_dim: the paper's sizes (768, 1024, 1536), wider ones at
 # its depth, and narrow ones with small heads, dense enough that the embedding's jumps leave few gaps.
 SHAPE_LADDER = (
-    (64, 2, 16), (80, 2, 16), (96, 2, 16), (112, 2, 16), (128, 2, 32), (128, 4, 32), (160, 4, 32), (192, 4, 32),
+    (32, 2, 16), (48, 2, 16), (64, 2, 16), (80, 2, 16), (96, 2, 16), (112, 2, 16), (128, 2, 32), (128, 4, 32), (160, 4, 32), (192, 4, 32),
     (224, 4, 32), (256, 4, 32), (256, 6, 32), (320, 6, 32), (384, 6, 64), (448, 8, 64), (512, 8, 64), (640, 10, 64),
     (768, 14, 128), (1024, 28, 128), (1536, 28, 128), (2048, 28, 128), (2560, 32, 128), (3072, 32, 128),
     (4096, 32, 128), (5120, 40, 128), (6144, 48, 128), (8192, 64, 128),
@@ -79,12 +79,46 @@ SHAPE_LADDER = (
 
 @dataclass(frozen=True)
 class Arch:
-    label: str  # names files and runs: a mixer's name, or a hybrid's (mixers joined by "_")
+    label: str  # names files and runs: a mixer's name, or a hybrid's (mixers joined by "_"), with its options
     mixers: tuple[str, ...]  # the layer pattern, cycled over the depth
+    options: tuple[tuple[str, object], ...] = ()  # a variant's own mixer options ("mesa@cg_tol=1e-3")
 
     @property
     def layer_pattern(self) -> str | None:
         return ",".join(self.mixers) if len(self.mixers) > 1 else None
+
+    def configured(self, cfg: LMConfig) -> LMConfig:
+        """cfg with this variant's options set on each of its mixers that has them."""
+        if not self.options:
+            return cfg
+        given = {m: dict(o) for m, o in cfg.mixer_options.items()}
+        for mixer in self.mixers:
+            names = {f.name for f in fields(MIXERS[mixer].Options)}
+            given.setdefault(mixer, {}).update({k: v for k, v in self.options if k in names})
+        return replace(cfg, mixer_options=given)
+
+
+def option_value(text: str):
+    """An option's value as written after `=`: a number, true/false, null, or a word."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "null": None}.get(text.lower(), text)
+
+
+def parse_variant(name: str, mixers: tuple[str, ...], written: list[str]) -> tuple[tuple[str, object], ...]:
+    """The options of "ARCH@option=value@...", each an option of one of the arch's mixers."""
+    options = []
+    for item in written:
+        key, sep, text = item.partition("=")
+        known = [m for m in mixers if key in {f.name for f in fields(MIXERS[m].Options)}]
+        if not sep or not known:
+            raise UserError(f"architecture {name!r}: {item!r} is not OPTION=VALUE for an option of "
+                            f"{' or '.join(sorted(set(mixers)))}")
+        options.append((key, option_value(text)))
+    return tuple(options)
 
 
 def named_hybrids(paper_only: bool = False) -> dict[str, str]:
@@ -101,12 +135,15 @@ def parse_archs(archs: str | list[str]) -> list[Arch]:
     hybrids = named_hybrids()
     parsed = []
     for name in (n.strip() for n in names):
-        pattern = hybrids.get(name, name).replace(",", "+")
+        base, *variant = name.split("@")
+        pattern = hybrids.get(base, base).replace(",", "+")
         mixers = tuple(m.strip() for m in pattern.split("+"))
-        if not name or not all(m in MIXERS for m in mixers):
+        if not base or not all(m in MIXERS for m in mixers):
             raise UserError(f"unknown architecture {name!r}: give mixers ({', '.join(MIXERS)}), patterns such as "
-                            f"mesa+attention, or hybrids ({', '.join(hybrids) or 'none'})")
-        parsed.append(Arch("_".join(mixers), mixers))
+                            f"mesa+attention, hybrids ({', '.join(hybrids) or 'none'}), or a variant such as "
+                            f"mesa@cg_tol=1e-3")
+        options = parse_variant(name, mixers, variant)
+        parsed.append(Arch("@".join(["_".join(mixers), *variant]), mixers, options))
     labels = [a.label for a in parsed]
     if len(set(labels)) < len(labels):
         raise UserError(f"an architecture is named twice in --archs: {', '.join(labels)}")
@@ -213,8 +250,8 @@ def model_template(run, archs: list[Arch], seq_len: int, vocab_size: int | None)
 def matched_shapes(archs: list[Arch], reference: LMConfig, metric, goal: float) -> list[tuple[Arch, LMConfig, str]]:
     """(arch, its config, the move that matched it) for each arch: attention is the reference itself. Each config
     keeps the options of its own mixers alone (lm train refuses options for a mixer the model does not use)."""
-    shapes = [(arch, *((reference, "reference") if arch.mixers == ("attention",) else
-                       match_shape(arch, reference, metric, goal))) for arch in archs]
+    shapes = [(arch, *((arch.configured(reference), "reference") if arch.mixers == ("attention",) else
+                       match_shape(arch, arch.configured(reference), metric, goal))) for arch in archs]
     return [(arch, replace(cfg, mixer_options=cfg.own_mixer_options()), move) for arch, cfg, move in shapes]
 
 
@@ -386,6 +423,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
                      "train_flops_per_token": per_token, "tokens": tokens, "steps": steps,
                      "trained_tokens": steps * tokens_per_step, "total_flops": tokens * per_token,
                      "error": metric(cfg) / goal - 1, "lrs": grid[arch.label], "configs": []})
+        notes += [f"{arch.label}: {note}." for note in flops_notes(cfg)]
     result = {"match": match, "target_params": target, "budget": budget, "seq_len": seq_len,
               "vocab_size": template.vocab_size, "global_batch": batch, "seeds": seeds, "goal": goal,
               "tolerance": TOLERANCE, "notes": notes, "archs": rows}

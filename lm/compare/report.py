@@ -22,7 +22,9 @@ NOTES = [
     "best lr: the lr of the lowest final validation loss averaged over seeds; the table shows that lr's run of "
     "the lowest seed, the lr grid every run.",
     "params: lm.accounting.flops.param_count of the run's model (w/o embeddings: less the embedding matrix).",
-    "tokens: optimizer steps x global batch x seq_len; FLOPs: lm.accounting.flops.train_flops_per_token x tokens.",
+    "tokens: optimizer steps x global batch x seq_len; FLOPs: as the run spent them (train/flops, logged from each "
+    "mixer's own count: Mesa with cg_tol counts the CG steps it ran), or for older runs "
+    "lm.accounting.flops.train_flops_per_token x tokens.",
     "NLL@k: the newest `lm eval ppl` per-position curve at the logged position nearest at or below k (blank beyond "
     "its length).",
     "TASK/METRIC: the main metric (the suite's, else acc) of each task in eval/harness-*/results.json; "

@@ -36,7 +36,7 @@ class RunResults:
     setting: dict  # what was trained (the flattened config less BOOKKEEPING), to tell comparable runs apart
     params: int
     params_without_embeddings: int
-    flops_per_token: float
+    flops_per_token: float  # training FLOPs per token: as spent where the run logged train/flops, else the analytic
     batch_tokens: int  # tokens per optimizer step: global batch x seq_len
     steps: int = 0
     train_loss: float | None = None
@@ -45,6 +45,7 @@ class RunResults:
     mfu: float | None = None
     wall_s: float | None = None
     nll_curves: dict[str, dict[int, float]] = field(default_factory=dict)  # eval folder -> {position: NLL}, newest 1st
+    spent: tuple[int, float] | None = None  # (optimizer steps done, the training FLOPs spent by then: train/flops)
     harness: dict[str, float] = field(default_factory=dict)  # "task/metric" -> value
     longctx: dict[str, float] = field(default_factory=dict)  # "longctx-HAYSTACK/probe" -> mean accuracy
     grids: dict[str, list[dict]] = field(default_factory=dict)  # "longctx-HAYSTACK/probe" -> grid.csv rows
@@ -104,7 +105,7 @@ def median_of(rows: list[dict], key: str) -> float | None:
 def read_metrics(run: Path, results: RunResults) -> list[dict]:
     """Losses, steps, wall time, tokens/s and MFU from the CSV logs; returns all rows. A later launch (a resume)
     overrides what an earlier one logged at the same step."""
-    rows, train, val, wall = [], {}, {}, []
+    rows, train, val, spent, wall = [], {}, {}, {}, []
     for path in metric_files(run):
         with open(path) as f:
             launch = list(csv.DictReader(f))
@@ -119,12 +120,15 @@ def read_metrics(run: Path, results: RunResults) -> list[dict]:
                 train[done] = number(row, "train/loss")
             if number(row, "val/loss") is not None:
                 val[done] = number(row, "val/loss")
+            if number(row, "train/flops") is not None:
+                spent[done] = number(row, "train/flops")
         times = [t for row in launch if (t := number(row, "train/time")) is not None]
         wall.append(max(times) if times else
                     path.stat().st_mtime - hparams.stat().st_mtime if hparams.exists() else None)
     results.steps = max([*train, *val], default=0)
     results.train_loss = train[max(train)] if train else None
     results.val_curve = [(s, val[s]) for s in sorted(val)]
+    results.spent = (max(spent), spent[max(spent)]) if spent else None
     results.wall_s = sum(w for w in wall if w is not None) if any(w is not None for w in wall) else None
     # The throughput monitor logs a global rate only with more than one process; the device rate is then 1/world.
     results.tokens_per_s = median_of(rows, "train/items_per_sec") or median_of(rows, "train/device/items_per_sec")
@@ -232,6 +236,8 @@ def read_run(path: str) -> RunResults:
         data.get("micro_batch", 1) * (config.get("trainer", {}).get("accumulate") or 1) * \
         world_size(config.get("strategy", {}), rows)
     results.batch_tokens = global_batch * seq_len
+    if results.spent is not None and results.spent[0] > 0:  # the FLOPs per token it spent (Mesa with cg_tol)
+        results.flops_per_token = results.spent[1] / (results.spent[0] * results.batch_tokens)
     results.setting["tokens per step"] = results.batch_tokens
     results.nll_curves = read_ppl_curves(run)
     results.harness = read_harness(run)

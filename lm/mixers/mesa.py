@@ -1,6 +1,7 @@
 """The Mesa layer (von Oswald et al., 2025, "MesaNet"): at every step the optimal linear readout of an
 in-context ridge regression, o_t = G_t (H_t + Lambda)^{-1} q_t, solved by conjugate gradient."""
 
+import dataclasses
 import math
 import typing
 from dataclasses import dataclass
@@ -13,9 +14,13 @@ from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, own
 from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
-from lm.ops.flops import mesa_op_flops, mesa_op_train_flops, padding_factor
+from lm.ops.flops import mesa_cg_step_flops, mesa_op_flops, mesa_op_train_flops, padding_factor
 
 GammaInit = typing.Literal["narrow", "zero", "spread"]
+# Plans only (`expected_cg_steps`): the factor by which CG's relative residual is taken to fall per step. On the
+# inputs of docs/performance.md ("Mesa: CG steps and cost") 1e-4 took about 6 steps (0.2 a step); docs/mesa.md sets
+# it against what the CPU ladder's runs spent.
+PLANNED_CG_RATE = 0.2
 
 
 def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
@@ -179,14 +184,56 @@ class Mesa(Mixer):
         return {key if key.startswith(("lambda", "gamma", "beta")) else "cg_" + key: value
                 for key, value in self._metrics.items()}
 
+    def flops_spent_per_token(self, seq_len: int, training: bool) -> float:
+        """The last call as it ran: at the steps it was set to (cg_steps_eval in evaluation), and with cg_tol at the CG
+        steps its telemetry says the code ran (`iterations_run`, forward and, training, adjoint; lm.ops.mesa counts a
+        loop as running until its last token has converged) instead of the most. A fixed-step call is the
+        analytic count, with no read of the telemetry (no device sync)."""
+        o = self.options
+        steps = o.cg_steps if training or o.cg_steps_eval is None else o.cg_steps_eval
+        shape = (self.d_model, self.n_heads, self.head_dim)
+        at_steps = {**dataclasses.asdict(o), "cg_steps": steps, "cg_tol": None}  # the analytic count at `steps`
+        counted = self.flops_per_token(*shape, seq_len, training, **at_steps)
+        ran = self._metrics.get("iterations_run")
+        if steps == 0 or o.cg_tol is None or ran is None:
+            return counted
+        extra = float(ran) - steps
+        if training:
+            extra += float(self._metrics.get("adjoint_iterations_run", steps)) - steps
+        return counted + extra * self.cg_step_flops_per_token(*shape, seq_len, **dataclasses.asdict(o))
+
+    @classmethod
+    def cg_step_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, **options) -> float:
+        """One CG step of one solve, per token, all heads (lm.ops.flops.mesa_cg_step_flops on the padded chunks)."""
+        chunk = effective_chunk_size(cls.check_options(options).chunk_size, seq_len)
+        return n_heads * padding_factor(seq_len, chunk) * mesa_cg_step_flops(chunk, head_dim)
+
+    @staticmethod
+    def expected_cg_steps(cg_steps: int, cg_tol: float | None) -> int:
+        """The CG steps a plan charges: cg_steps, or with cg_tol the steps at which a residual falling by
+        PLANNED_CG_RATE per step reaches cg_tol (at most cg_steps). An estimate; a run counts what it ran."""
+        if cg_tol is None or cg_steps == 0:
+            return cg_steps
+        return min(cg_steps, max(1, math.ceil(math.log(cg_tol) / math.log(PLANNED_CG_RATE))))
+
+    @classmethod
+    def flops_note(cls, **options) -> str | None:
+        o = cls.check_options(options)
+        if o.cg_tol is None or o.cg_steps == 0:
+            return None
+        return (f"mesa with cg_tol {o.cg_tol:g} is planned at {cls.expected_cg_steps(o.cg_steps, o.cg_tol)} expected "
+                f"CG steps of at most {o.cg_steps} (a residual falling {PLANNED_CG_RATE:g}x a step); its runs log the "
+                f"steps they ran (train/flops)")
+
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """The Mesa op at the training CG steps (lm.ops.flops; with cg_tol, cg_steps is the most)."""
+        """The Mesa op at the training CG steps (lm.ops.flops); with cg_tol at `expected_cg_steps`, a plan's estimate
+        (what a run spent is `flops_spent_per_token`)."""
         o = cls.check_options(options)
         chunk = effective_chunk_size(o.chunk_size, seq_len)
         v = int(round(o.expand_v * head_dim))
         per_head = padding_factor(seq_len, chunk) * (mesa_op_train_flops if training else mesa_op_flops)(
-            chunk, head_dim, v, o.cg_steps)
+            chunk, head_dim, v, cls.expected_cg_steps(o.cg_steps, o.cg_tol))
         if o.cg_steps == 0:
             per_head += 2 * head_dim * head_dim  # H_T is still carried: one product, no backward (no loss reads it)
         return n_heads * per_head

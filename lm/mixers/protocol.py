@@ -10,6 +10,9 @@ A mixer is one file holding one class, registered with one line (`@register("nam
                         its projections (2 FLOPs per parameter and token, 6 when training) plus its sequence op
                         (`op_flops_per_token`, which the mixer defines; lm/accounting/flops.py explains what is counted)
     metrics()           what to log after a forward (optional; e.g. Mesa's CG statistics)
+    flops_spent_per_token(seq_len, training)
+                        its last call's FLOPs per token as run: flops_per_token, unless the work depends on the data
+                        (Mesa with cg_tol counts the CG steps its telemetry says ran)
     bench_op(batch, T)  its sequence op, chunkwise and recurrent, with inputs in the ranges its forward feeds them
                         (for `lm bench mixer`; mixers without a recurrent op, such as attention, have none)
 
@@ -168,6 +171,17 @@ class Mixer(nn.Module):
         """Bytes per token of working memory the op holds beyond what autograd saves, one layer at a time (the
         memory plan, lm.accounting.memory): 0 for most mixers; Mesa's CG buffers."""
         return 0.0
+
+    @classmethod
+    def flops_note(cls, **options) -> str | None:
+        """What its FLOP count assumes that a plan should say (Mesa with cg_tol: the expected CG steps), or None."""
+        return None
+
+    def flops_spent_per_token(self, seq_len: int, training: bool) -> float:
+        """FLOPs per token of its last call as it ran (training: with its backward): `flops_per_token` at its own
+        shape and options, unless what it runs depends on the data (Mesa's tolerance-stopped CG, from its metrics)."""
+        return self.flops_per_token(self.d_model, self.n_heads, self.head_dim, seq_len, training,
+                                    **dataclasses.asdict(self.options))
 
     def metrics(self) -> dict:
         return {}

@@ -82,6 +82,11 @@ def _mesa_parts(chunk: int, k: int, v: int) -> tuple[float, float, float]:
     return 2 * k * k + 2 * chunk * k, 4 * chunk * k + 2 * k * k, linear_attention_op_flops(chunk, k, v)
 
 
+def mesa_cg_step_flops(chunk: int, k: int) -> float:
+    """One CG step per (padded) token and head: its matvec (the dot products and vector updates are not counted)."""
+    return _mesa_parts(chunk, k, k)[1]
+
+
 def mesa_op_flops(chunk: int, k: int, v: int, cg_steps: int) -> float:
     """Per (padded) token and head: the key state, cg_steps + 2 matvecs (one for the starting residual, one for the
     true residual that the Mesa mixer's telemetry asks for) and the readout. cg_steps = 0 is the readout alone (plus

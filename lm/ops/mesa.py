@@ -96,11 +96,13 @@ def mesa(
     the step). Any T works. Returns (out [B, T, H, V] in q's dtype, (G_T, H_T)
     in float32, or float64 for float64 inputs), and with return_info=True also an info dict of detached 0-dim
     float32 tensors (no device sync) about the forward solve: "iterations" (mean CG steps per token and head),
+    "iterations_run" (the steps the code ran per token, mean over tokens and heads: the torch code's loop runs until
+    the call's last token has converged, a Triton program until its chunk's last; what the FLOP count charges),
     "residual" and "residual_max" (mean and max of the true relative residual ||q_t - A_t x_t|| / ||q_t||, measured
     with one more matvec) and "diag_ratio" (max diag(H_t) / min lam, a cheap conditioning indicator: cond(A_t) <=
     (lambda_max(H_t) + max lam) / min lam, and lambda_max(H_t) >= max diag(H_t)). The backward adds the adjoint
-    solve's "adjoint_iterations", "adjoint_residual" and "adjoint_residual_max" to the same dict. With cg_steps=0:
-    0 steps, residual 1.
+    solve's "adjoint_iterations", "adjoint_iterations_run", "adjoint_residual" and "adjoint_residual_max" to the
+    same dict. With cg_steps=0: 0 steps, residual 1.
     cg_steps: most CG steps per token (0: plain gated linear attention with query q); cg_tol: relative residual at
     which a token stops early (None: always cg_steps steps). The backward's adjoint solve uses both as well.
     backend: "torch" (this code), "triton" (lm's kernels, lm/ops/mesa_triton.py: the same CG step for step, each
@@ -304,8 +306,9 @@ def mesa_recurrent(
         return out, (G, H)
     if cg_steps == 0:
         return out, (G, H), _info_without_solve(q)
-    return out, (G, H), _solve_stats(torch.stack(iterations, 1), torch.stack(residuals, 1),
-                                     torch.stack(diagonals, 1), lam)
+    iterations = torch.stack(iterations, 1)  # [B, T, H]; each step's loop runs its slowest (batch, head)
+    return out, (G, H), _solve_stats(iterations, torch.stack(residuals, 1), torch.stack(diagonals, 1), lam,
+                                     run=iterations.amax(dim=(0, 2)).float().mean())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -313,8 +316,8 @@ def mesa_recurrent(
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-token dot product over the last (K) axis."""
-    return (a * b).sum(-1)
+    """Per-token dot product over the last (K) axis (one kernel, no [.., K] temporary)."""
+    return torch.linalg.vecdot(a, b)
 
 
 def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None):
@@ -340,12 +343,12 @@ def _cg(matvec, b: torch.Tensor, x0: torch.Tensor, steps: int, tol: float | None
         Ap = matvec(p)
         pAp = _dot(p, Ap)
         ok = active & (pAp > 0)
-        alpha = torch.where(ok, rs_old / torch.where(ok, pAp, 1.0), 0.0)
-        x = x + alpha[..., None] * p
-        r = r - alpha[..., None] * Ap
+        alpha = torch.where(ok, rs_old / torch.where(ok, pAp, 1.0), 0.0)[..., None]
+        x = torch.addcmul(x, alpha, p)  # fused multiply-adds: on the CPU these vector updates cost as much as A p
+        r = torch.addcmul(r, alpha, Ap, value=-1)
         rs_new = _dot(r, r)
         beta = torch.where(rs_old > 0, rs_new / torch.where(rs_old > 0, rs_old, 1.0), 0.0)
-        p = r + beta[..., None] * p
+        p = torch.addcmul(r, beta[..., None], p)
         if tol is None:
             iterations = iterations + 1
         else:
@@ -406,13 +409,17 @@ def _true_residual(matvec, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _solve_stats(iterations: torch.Tensor, residual: torch.Tensor, diag_h: torch.Tensor, lam: torch.Tensor,
-                 prefix: str = "") -> dict:
+                 prefix: str = "", run: torch.Tensor | None = None) -> dict:
     """The info dict of `return_info=True` from per-token results of one solve (iterations and true relative residual
     [B, T, H] in any layout; diag(H_t) [B, T, H, K], or any tensor holding its largest values), as detached 0-dim
-    float32 tensors (no device sync): mean CG steps, mean and max residual, and max diag(H_t) / min lam (see `mesa`).
-    `prefix` names the adjoint solve's entries."""
+    float32 tensors (no device sync): mean CG steps, the steps run, mean and max residual, and max diag(H_t) / min lam
+    (see `mesa`). `run` is the CG steps the code ran per token, mean over tokens and heads: a loop over many tokens
+    runs until its last one has converged (`_run_per_program`); by default the whole call is one loop, which runs
+    its slowest token's steps. `prefix` names the adjoint solve's entries."""
+    iterations = iterations.detach().float()
     stats = {
-        "iterations": iterations.detach().float().mean(),
+        "iterations": iterations.mean(),
+        "iterations_run": iterations.max() if run is None else run.detach().float(),
         "residual": residual.detach().float().mean(),
         "residual_max": residual.detach().float().max(),
     }
@@ -421,10 +428,18 @@ def _solve_stats(iterations: torch.Tensor, residual: torch.Tensor, diag_h: torch
     return {prefix + key: value for key, value in stats.items()}
 
 
+def _run_per_program(iterations: torch.Tensor, group: int) -> torch.Tensor:
+    """The CG steps run per token, mean over tokens, where each program of `group` consecutive tokens along the last
+    axis (a chunk of lm's Triton kernel; padded with tokens that take no step) stops with its last token."""
+    pad = -iterations.shape[-1] % group
+    grouped = torch.nn.functional.pad(iterations.detach().float(), (0, pad)).unflatten(-1, (-1, group))
+    return grouped.amax(-1).mean()
+
+
 def _info_without_solve(q: torch.Tensor) -> dict:
     """cg_steps=0: no CG step was taken, so nothing of the starting residual was removed (relative residual 1)."""
     zero = q.new_zeros((), dtype=torch.float32)
-    return {"iterations": zero, "residual": zero + 1, "residual_max": zero + 1}
+    return {"iterations": zero, "iterations_run": zero, "residual": zero + 1, "residual_max": zero + 1}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -464,9 +479,9 @@ class _ChunkedKeyState:
 
     def matvec(self, p: torch.Tensor) -> torch.Tensor:
         """H_t p_t for every step: p [B, H, N, C, K] -> [B, H, N, C, K]."""
-        intra = ((p @ self.k.mT) * self.weights) @ self.k
+        intra = (p @ self.k.mT).mul_(self.weights) @ self.k
         # Row vectors: (H p)^T = p^T H^T.
-        return intra + (p * self.from_start) @ self.entering.mT
+        return intra.add_((p * self.from_start) @ self.entering.mT)
 
     def diagonal(self) -> torch.Tensor:
         """diag(H_t) for every step, [B, H, N, C, K]: the same decayed sums with k_j^2 for the outer products."""
@@ -485,7 +500,7 @@ def _solve(H_op: _ChunkedKeyState, lam: torch.Tensor, b: torch.Tensor, steps: in
     lam = lam[None, :, None, None, :]  # [1, H, 1, 1, K], broadcast over batch, chunks and steps
     b = to_head_chunks(b, chunk_size, H_op.k.dtype)
     diag_h = H_op.diagonal()
-    matvec = lambda p: H_op.matvec(p) + lam * p
+    matvec = lambda p: torch.addcmul(H_op.matvec(p), lam, p)
     x, iterations = _cg(matvec, b, b / (diag_h + lam), steps, tol)  # Jacobi warm start
     if stats is not None:
         unchunk = lambda t: from_head_chunks(t[..., None], T)[..., 0]
@@ -540,7 +555,7 @@ class _TritonSolver:
         x, out, stats = self.kernels.chunk_solve(q, k, v, log_gamma, beta, lam, G_in, H_in, reset, chunk, steps, tol,
                                                  adjoint=False, out_dtype=q.dtype)
         if info is not None:
-            info.update(_solve_stats(*stats, lam))
+            info.update(_solve_stats(*stats, lam, run=_run_per_program(stats[0], chunk)))
         return out, x, G_T, H_T
 
     def adjoint(self, d_out, k, v, log_gamma, beta, lam, G0, H0, reset, steps, tol, info):
@@ -548,7 +563,7 @@ class _TritonSolver:
         e, _, stats = self.kernels.chunk_solve(d_out, k, v, log_gamma, beta, lam, G_in, H_in, reset, chunk, steps, tol,
                                                adjoint=True, out_dtype=G0.dtype)
         if info is not None:
-            info.update(_solve_stats(*stats, lam, prefix="adjoint_"))
+            info.update(_solve_stats(*stats, lam, prefix="adjoint_", run=_run_per_program(stats[0], chunk)))
         return e
 
 

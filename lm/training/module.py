@@ -6,6 +6,7 @@ from dataclasses import asdict
 import lightning as L
 import torch
 
+from lm.accounting.flops import flops_spent_per_token
 from lm.model import LanguageModel, LMConfig
 from lm.training.param_groups import decay_groups, param_groups
 from lm.training.rng import rng_state, set_rng_state
@@ -33,6 +34,17 @@ class LMModule(L.LightningModule):
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
         self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (callbacks.stability)
+
+    batch_shape: tuple[int, int] | None = None  # (micro_batch, seq_len) of this rank, which lm train sets
+
+    @property
+    def flops_per_batch(self) -> float | None:
+        """Training FLOPs of this rank's last micro-batch as it ran (lm.accounting.flops.flops_spent_per_token): what
+        Lightning's ThroughputMonitor takes for MFU and lm.training.callbacks.spent_flops adds up."""
+        if self.batch_shape is None:
+            return None
+        micro_batch, seq_len = self.batch_shape
+        return flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len
 
     def configure_model(self):
         """FSDP2: one `fully_shard` per block, then the rest; torch.compile per block if asked (after sharding,

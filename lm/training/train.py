@@ -15,7 +15,6 @@ from lightning.pytorch.callbacks import ProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lm.accounting.flops import train_flops_per_token
 from lm.errors import Diverged, UserError
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
@@ -26,6 +25,7 @@ from lm.training.callbacks.progress import progress_callbacks
 from lm.training.callbacks.rank_monitor import RankMonitor
 from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.source_tokens import LogSourceTokens
+from lm.training.callbacks.spent_flops import SpentFlops
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
@@ -197,7 +197,7 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
                                    offline=t.wandb_mode == "offline", resume="allow"))
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
     callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), stop, stability,
-                 MixerMetrics(),
+                 MixerMetrics(), SpentFlops(),
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
@@ -262,8 +262,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
         shutil.copyfile(tokenizer, run_dir / "tokenizer.json")
     module = LMModule(config.model, config.optim, config.trainer.max_steps,
                       config.trainer.activation_checkpointing, config.trainer.compile)
-    module.flops_per_batch = train_flops_per_token(config.model, config.data.seq_len) * \
-        config.data.micro_batch * config.data.seq_len
+    module.batch_shape = (config.data.micro_batch, config.data.seq_len)
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:

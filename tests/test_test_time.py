@@ -1,0 +1,76 @@
+"""`lm research test-time`: a Mesa checkpoint at every CG setting and another model as a fixed point, each figure set
+against the inference FLOPs per token it spent; its 30-step loss is what `lm eval ppl` gives the checkpoint."""
+
+import csv
+import json
+import math
+
+import pytest
+from strategy_runs import train
+
+from lm.accounting.flops import forward_flops_per_token
+from lm.cli import main
+from lm.model import LMConfig
+
+MODEL = "vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 2, head_dim: 16, max_seq_len: 32"
+
+
+@pytest.fixture(scope="module")
+def runs(kjv_data, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("test-time")
+    made = {}
+    for name, mixer in (("mesa", "mixer: mesa, mixer_options: {mesa: {chunk_size: 16, backend: torch}}"),
+                        ("attention", "mixer: attention")):
+        config = tmp / f"{name}.yaml"
+        config.write_text(f"""
+seed: 0
+model: {{{MODEL}, {mixer}}}
+data: {{path: {kjv_data}, seq_len: 32, micro_batch: 4, num_workers: 0, val_windows: 2}}
+optim: {{lr: 3.0e-3, warmup_steps: 1}}
+trainer: {{max_steps: 3, val_every: 1000, ckpt_every: 1000, log_every: 1, progress_bar: false}}
+strategy: {{accelerator: cpu}}
+""")
+        train(config, tmp / name)
+        made[name] = tmp / name
+    return made
+
+
+def test_every_setting_against_the_flops_it_spent(runs, tmp_path):
+    out = tmp_path / "out"
+    assert main(["research", "test-time", "--runs", json.dumps([str(runs["mesa"]), str(runs["attention"])]),
+                 "--out", str(out), "--steps", "[0, 2, 30]", "--tols", "[0.01]", "--max_windows", "6",
+                 "--recall_lengths", "[512]", "--recall_examples_per_length", "2"]) == 0
+    with open(out / "results.csv") as f:
+        rows = {(r["arch"], r["setting"]): r for r in csv.DictReader(f)}
+    assert sorted(rows) == [("attention", "fixed"), ("mesa", "cg 0"), ("mesa", "cg 2"), ("mesa", "cg 30"),
+                            ("mesa", "tol 0.01")]
+    flops = {setting: float(row["flops_per_token"]) for (arch, setting), row in rows.items() if arch == "mesa"}
+    mesa = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=32, mixer="mesa",
+                    mixer_options={"mesa": {"chunk_size": 16, "backend": "torch"}})
+    for steps in (0, 2, 30):  # a fixed step count is the analytic forward at those steps
+        at = LMConfig(**{**mesa.__dict__, "mixer_options": {"mesa": {"chunk_size": 16, "cg_steps": steps}}})
+        assert flops[f"cg {steps}"] == pytest.approx(forward_flops_per_token(at, 32), rel=1e-12)
+    assert flops["cg 2"] < flops["tol 0.01"] < flops["cg 30"]  # the tolerance stopped between them
+    attention = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=32)
+    assert float(rows[("attention", "fixed")]["flops_per_token"]) == pytest.approx(
+        forward_flops_per_token(attention, 32), rel=1e-12)
+    for row in rows.values():
+        assert math.isfinite(float(row["recall_nll_T512"])) and 0 <= float(row["recall_acc_T512"]) <= 1
+
+    # The checkpoint's own setting (30 steps) scores as lm eval ppl scores it on the same windows.
+    assert main(["eval", "ppl", "--checkpoint", str(runs["mesa"]), "--max_windows", "6", "--out",
+                 str(tmp_path / "ppl")]) == 0
+    ppl = json.loads((tmp_path / "ppl" / "ppl.json").read_text())
+    assert float(rows[("mesa", "cg 30")]["val_loss"]) == pytest.approx(ppl["loss"], rel=1e-6)
+    assert float(rows[("mesa", "cg 0")]["val_loss"]) != pytest.approx(ppl["loss"], rel=1e-5)  # the setting counts
+    with open(out / "nll_by_position.csv") as f:
+        curve = [r for r in csv.DictReader(f) if r["setting"] == "cg 30"]
+    assert int(curve[0]["position"]) == 1 and int(curve[-1]["position"]) == 32
+    assert "| mesa | tol 0.01 |" in (out / "test_time.md").read_text() and (out / "test_time.png").stat().st_size
+
+
+def test_a_bad_setting_is_refused_in_one_line_before_anything_is_written(runs, tmp_path, capsys):
+    assert main(["research", "test-time", "--runs", json.dumps([str(runs["mesa"])]), "--steps", "[-1]",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "--steps must be counts >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
