@@ -51,6 +51,8 @@ def test_every_setting_against_the_flops_it_spent(runs, tmp_path):
         at = LMConfig(**{**mesa.__dict__, "mixer_options": {"mesa": {"chunk_size": 16, "cg_steps": steps}}})
         assert flops[f"cg {steps}"] == pytest.approx(forward_flops_per_token(at, 32), rel=1e-12)
     assert flops["cg 2"] < flops["tol 0.01"] < flops["cg 30"]  # the tolerance stopped between them
+    assert float(rows[("mesa", "cg 2")]["cg_steps_run"]) == 2 and rows[("attention", "fixed")]["cg_steps_run"] == ""
+    assert 2 < float(rows[("mesa", "tol 0.01")]["cg_steps_run"]) < 30
     attention = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=32)
     assert float(rows[("attention", "fixed")]["flops_per_token"]) == pytest.approx(
         forward_flops_per_token(attention, 32), rel=1e-12)
@@ -74,3 +76,30 @@ def test_a_bad_setting_is_refused_in_one_line_before_anything_is_written(runs, t
                  "--out", str(tmp_path / "x")]) == 2
     assert "--steps must be counts >= 0" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_ladder_gives_its_largest_rungs_runs_named_as_the_ladder_names_them(tmp_path):
+    """--ladder OUT: the finished runs of the rung with the most parameters, every arch (a variant by its ladder name)
+    and seed; an unfinished run (no checkpoints) is left out."""
+    from lm.eval.test_time import describe, largest_rung_runs
+
+    def run(name: str, arch: str, rung: str, d_model: int, finished: bool = True) -> None:
+        (tmp_path / "configs").mkdir(exist_ok=True)
+        (tmp_path / "configs" / f"{name}.yaml").write_text(f"# {arch} at rung {rung}: 1 parameters. Written by lm.\n")
+        folder = tmp_path / "runs" / name
+        (folder / "checkpoints" if finished else folder).mkdir(parents=True)
+        folder.joinpath("config.yaml").write_text(f"seed: {name[-1]}\ndata: {{path: d, seq_len: 8}}\n"
+                                                  f"model: {{mixer: mesa, d_model: {d_model}, n_heads: 2}}\n")
+
+    run("mesa-9k-seed0", "mesa", "9k", 32)
+    run("mesa@cg_tol=1e-3-90k-seed0", "mesa@cg_tol=1e-3", "90k", 64)
+    run("mesa@cg_tol=1e-3-90k-seed1", "mesa@cg_tol=1e-3", "90k", 64)
+    run("mesa-90k-seed2", "mesa", "90k", 64, finished=False)
+    found = largest_rung_runs(tmp_path)
+    assert [p.name for p in found] == ["mesa@cg_tol=1e-3-90k-seed0", "mesa@cg_tol=1e-3-90k-seed1"]
+    assert describe(found[1]) == {"arch": "mesa@cg_tol=1e-3", "seed": 1, "data": "d", "seq_len": 8}
+    alone = tmp_path / "elsewhere" / "run"
+    alone.mkdir(parents=True)
+    alone.joinpath("config.yaml").write_text("seed: 4\ndata: {path: d, seq_len: 8}\n"
+                                             "model: {mixer: mesa, mixer_options: {mesa: {cg_tol: 1.0e-3}}}\n")
+    assert describe(alone)["arch"] == "mesa@cg_tol=0.001"  # a run outside a ladder: named by how it solves

@@ -1,6 +1,7 @@
 """Training throughput per model and its MFU, every model measured in the same process.
 
-MFU here is the model's analytic training FLOP/s (lm.accounting.flops) over the best square-matmul FLOP/s this process
+MFU here is the model's training FLOP/s as spent (lm.accounting.flops.flops_spent_per_token: the analytic count, a
+tolerance-stopped Mesa's CG steps as its telemetry reports them) over the best square-matmul FLOP/s this process
 reaches on the same device, in the same precision: a ratio against measured peak, not a datasheet figure. A
 datasheet peak (`peak_flops`, e.g. 989e12 for an H100/H200 in dense bf16) adds a second MFU column.
 
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from lm.accounting.flops import train_flops_per_token
+from lm.accounting.flops import flops_spent_per_token
 from lm.bench.results import print_and_save
 from lm.errors import UserError
 from lm.model import LanguageModel, LMConfig
@@ -105,18 +106,21 @@ def time_training(cfg: LMConfig, device: torch.device, seq_len: int, batch: int,
             sync(device)
             first_step_s = time.perf_counter() - t0  # with the compiling and autotuning of kernels for this shape
     sync(device)
-    seconds = dict.fromkeys(settings, 0.0)
+    seconds, spent = dict.fromkeys(settings, 0.0), 0.0
     for _ in range(steps):
         for separator in settings:  # alternating, so that drifting machine load hits both alike
             t0 = time.perf_counter()
             train_step(separator)
             sync(device)
             seconds[separator] += time.perf_counter() - t0
+            if separator is None:  # as the step ran: a tolerance-stopped Mesa's CG steps from its telemetry
+                spent += flops_spent_per_token(model, seq_len, training=True)
     tokens = batch * seq_len * steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     step_s = seconds[None] / steps
     result = {"params": model.num_params(), "tokens_per_s": tokens / seconds[None], "peak_mem_gib": peak,
-              "step_s": step_s, "first_step_s": first_step_s if warmup else None}
+              "step_s": step_s, "first_step_s": first_step_s if warmup else None,
+              "model_flops_per_token": spent / steps}
     if resets:
         result.update(reset_tokens_per_s=tokens / seconds[0], reset_ratio=seconds[None] / seconds[0])
     return result
@@ -190,8 +194,8 @@ def bench_train(mixers: list[str] = ["attention"], d_model: list[int] = [256],  
                 torch.cuda.empty_cache()
             if row["status"] != "ok":
                 continue
-            flops = train_flops_per_token(cfg, T)
-            row.update(model_flops_per_token=flops, model_flops_per_s=flops * row["tokens_per_s"],
+            flops = row["model_flops_per_token"]
+            row.update(model_flops_per_s=flops * row["tokens_per_s"],
                        mfu=flops * row["tokens_per_s"] / peak,
                        mfu_datasheet=flops * row["tokens_per_s"] / peak_flops if peak_flops else None)
             if json_out:  # what is done so far, should a time limit stop the rest

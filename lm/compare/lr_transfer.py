@@ -12,11 +12,14 @@ from lm.errors import UserError
 def best_lr(losses: dict[float, float]) -> tuple[float, str]:
     """(best lr, how it was found) from lr -> mean final loss: the vertex of the parabola in log lr through the
     lowest loss and its two neighbours when that lowest is inside the grid (the vertex kept within those
-    neighbours); the lowest itself at an edge of the grid, or with fewer than 3 lrs."""
+    neighbours); the lowest itself at an edge of the grid, or with fewer than 3 lrs. The largest lr that did not
+    diverge, when it is the lowest and a larger one of the grid diverged, is bracketed by that divergence."""
     finite = sorted((lr, loss) for lr, loss in losses.items() if math.isfinite(loss))
     if not finite:
         raise UserError("every run of an lr sweep diverged (no finite loss): lower the lr grid")
     i = min(range(len(finite)), key=lambda j: finite[j][1])
+    if len(finite) >= 3 and i == len(finite) - 1 and finite[i][0] < max(losses):
+        return finite[i][0], "below a diverged lr"
     if len(finite) < 3 or i in (0, len(finite) - 1):
         return finite[i][0], "grid edge" if len(finite) >= 3 else "grid minimum"
     (x0, y0), (x1, y1), (x2, y2) = [(math.log(lr), loss) for lr, loss in finite[i - 1:i + 2]]

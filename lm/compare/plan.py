@@ -5,7 +5,8 @@ budget buys, and ready-to-run `lm train` configs (a learning-rate grid and seeds
         --base configs/attention/145m.yaml --out runs/compare/145m
 
 Architectures: mixer names, hybrid layer patterns joined by "+" ("mesa+attention", cycled over the depth), or a
-hybrid's name from lm/compare/paper_sizes.py (mesa_attention).
+hybrid's name from lm/compare/paper_sizes.py (mesa_attention); any of them followed by "@option=value" (repeatable) is
+a variant with that option on each of its mixers that has it ("mesa@cg_tol=1e-3"), matched and named on its own.
 
 Target size: `--params N` counts every parameter, the tied embedding included, as the MesaNet paper names its sizes
 (its "145M" is configs/attention/145m.yaml, 146.0M) and as lm/compare/paper_sizes.py matches them; the table also shows
@@ -70,8 +71,9 @@ WARMUP_FRACTION = 0.1
 # (d_model, n_layers, head_dim), n_heads = d_model / head_dim: the paper's sizes (768, 1024, 1536), wider ones at
 # its depth, and narrow ones with small heads, dense enough that the embedding's jumps leave few gaps.
 SHAPE_LADDER = (
-    (32, 2, 16), (48, 2, 16), (64, 2, 16), (80, 2, 16), (96, 2, 16), (112, 2, 16), (128, 2, 32), (128, 4, 32), (160, 4, 32), (192, 4, 32),
-    (224, 4, 32), (256, 4, 32), (256, 6, 32), (320, 6, 32), (384, 6, 64), (448, 8, 64), (512, 8, 64), (640, 10, 64),
+    (32, 2, 16), (48, 2, 16), (64, 2, 16), (80, 2, 16), (96, 2, 16), (112, 2, 16), (128, 2, 32), (128, 4, 32),
+    (160, 4, 32), (192, 4, 32), (224, 4, 32), (256, 4, 32), (256, 6, 32), (320, 6, 32), (384, 6, 64), (448, 8, 64),
+    (512, 8, 64), (640, 10, 64),
     (768, 14, 128), (1024, 28, 128), (1536, 28, 128), (2048, 28, 128), (2560, 32, 128), (3072, 32, 128),
     (4096, 32, 128), (5120, 40, 128), (6144, 48, 128), (8192, 64, 128),
 )
@@ -130,7 +132,8 @@ def named_hybrids(paper_only: bool = False) -> dict[str, str]:
 
 
 def parse_archs(archs: str | list[str]) -> list[Arch]:
-    """Comma-separated (or listed) mixer names, "+"-joined patterns and named hybrids."""
+    """Comma-separated (or listed) mixer names, "+"-joined patterns and named hybrids, each maybe a variant
+    ("mesa@cg_tol=1e-3")."""
     names = archs.split(",") if isinstance(archs, str) else list(archs)
     hybrids = named_hybrids()
     parsed = []

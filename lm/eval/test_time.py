@@ -11,7 +11,7 @@ point at its own cost. For each, on the same data:
   number's tokens given the prompt (graded where a small model's greedy answer is never whole) and by whether greedy
   decoding would give every one of them;
 - the inference FLOPs per token as spent (lm.accounting.flops.flops_spent_per_token after each forward: a tolerance
-  counts the CG steps each solve ran, the slowest token of each loop).
+  counts the CG steps each solve ran, the slowest token of each loop), and those CG steps (mean over layers).
 
 Outputs under --out: results.csv (one row per checkpoint and setting), nll_by_position.csv, test_time.md (the table:
 mean over seeds with the spread between them) and test_time.png.
@@ -36,6 +36,7 @@ STEPS = (0, 1, 2, 4, 8, 16, 30)
 TOLS = (1e-2, 1e-3, 1e-4)
 RECALL_DEPTHS = (0.1, 0.5, 0.9)
 SOLVER_OPTIONS = ("cg_steps_eval", "cg_tol")  # what a mixer must have to be evaluated at every setting
+TRAINED_SOLVER = ("cg_steps", "cg_tol")  # a run's own settings of these name it apart ("mesa@cg_tol=0.001")
 
 
 def settings(steps: list[int], tols: list[float]) -> list[dict]:
@@ -60,15 +61,18 @@ def use_setting(mixers: list, setting: dict) -> None:
 def validation(model, windows: torch.Tensor, batch_size: int) -> dict:
     """Loss, NLL by position (a [T] array) and inference FLOPs per token as spent, over `windows` [N, T + 1]."""
     T = windows.shape[1] - 1
-    sums, flops = torch.zeros(T, dtype=torch.float64), 0.0
+    sums, flops, steps = torch.zeros(T, dtype=torch.float64), 0.0, []
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = windows[start:start + batch_size]
             nll, _ = model(batch[:, :-1], targets=batch[:, 1:], reduction="none")
             sums += nll.double().sum(0)
             flops += flops_spent_per_token(model, T, training=False) * len(batch)
+            if (ran := model.mixer_metrics().get("cg_iterations_run")) is not None:
+                steps.append(float(ran) * len(batch))
     by_position = (sums / len(windows)).numpy()
-    return {"loss": float(by_position.mean()), "by_position": by_position, "flops": flops / len(windows)}
+    return {"loss": float(by_position.mean()), "by_position": by_position, "flops": flops / len(windows),
+            "cg_steps_run": sum(steps) / len(windows) if steps else None}
 
 
 def recall_examples(tokenizer, lengths: list[int], per_length: int) -> dict[int, list[tuple[list[int], list[int]]]]:
@@ -105,33 +109,48 @@ def recall(model, examples: list[tuple[list[int], list[int]]]) -> dict:
     return {"nll": statistics.mean(nll), "accuracy": correct / len(examples), "flops": flops / len(examples)}
 
 
-def describe(path: Path) -> dict:
-    """Arch, seed and rung of a run directory (`lm compare ladder` writes its rung into the config's header)."""
+def ladder_rung(run: Path) -> tuple[str, str] | None:
+    """(arch, rung) of a run of `lm compare ladder` (OUT/runs/NAME: the header of OUT/configs/NAME.yaml names them), or
+    None for another run."""
+    config = run.parent.parent / "configs" / f"{run.name}.yaml"
+    head = config.read_text().splitlines()[0] if config.is_file() else ""
+    if " at rung " not in head:
+        return None
+    arch, rest = head.removeprefix("# ").split(" at rung ", 1)
+    return arch, rest.split(":")[0]
+
+
+def describe(run: Path) -> dict:
+    """Arch (a ladder's name for it, such as mesa@cg_tol=1e-3), seed, data and length of a run directory."""
     from lm.compare.run_results import arch_name
     from lm.model import LMConfig
 
-    config_file = path / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) or {}
+    config = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    rung = ladder_rung(run)
     arch = arch_name(LMConfig(**config["model"]))
-    for line in config_file.read_text().splitlines()[:3]:
-        if " at rung " in line:
-            arch = line.split(" at rung ")[0].lstrip("# ")
-    return {"arch": arch, "seed": config.get("seed"), "data": config.get("data", {}).get("path"),
-            "seq_len": config.get("data", {}).get("seq_len")}
+    for options in (config["model"].get("mixer_options") or {}).values():  # how it was trained to solve
+        arch += "".join(f"@{key}={options[key]:g}" for key in TRAINED_SOLVER if key in options)
+    return {"arch": rung[0] if rung else arch, "seed": config.get("seed"),
+            "data": config.get("data", {}).get("path"), "seq_len": config.get("data", {}).get("seq_len")}
 
 
 def largest_rung_runs(ladder_out: Path) -> list[Path]:
-    """The run directories of an `lm compare ladder` output's largest rung (by parameters), every arch and seed."""
+    """The finished runs of an `lm compare ladder` output's largest rung, every arch and seed."""
     runs = {}
-    for config in sorted((ladder_out / "runs").glob("*/config.yaml")):
-        head = config.read_text().splitlines()[0]
-        if " at rung " in head and (config.parent / "checkpoints").is_dir():
-            rung = head.split(" at rung ")[1].split(":")[0]
-            runs.setdefault(rung, []).append(config.parent)
+    for run in sorted((ladder_out / "runs").iterdir()) if (ladder_out / "runs").is_dir() else []:
+        rung = ladder_rung(run)
+        if rung and (run / "checkpoints").is_dir():
+            runs.setdefault(rung[1], []).append(run)
     if not runs:
-        raise UserError(f"{ladder_out} holds no finished ladder run (runs/*/config.yaml with checkpoints)")
-    size = lambda label: float(label.rstrip("kMG")) * {"k": 1e3, "M": 1e6, "G": 1e9}.get(label[-1], 1)  # noqa: E731
-    return runs[max(runs, key=size)]
+        raise UserError(f"{ladder_out} holds no finished run of `lm compare ladder`")
+    return runs[max(runs, key=lambda rung: max(parameters(run) for run in runs[rung]))]
+
+
+def parameters(run: Path) -> int:
+    from lm.accounting.flops import param_count
+    from lm.model import LMConfig
+
+    return param_count(LMConfig(**yaml.safe_load((run / "config.yaml").read_text())["model"]))
 
 
 def test_time(runs: list[str] = [], ladder: str | None = None, out: str = "runs/test-time",  # noqa: B006
@@ -189,7 +208,8 @@ def test_time(runs: list[str] = [], ladder: str | None = None, out: str = "runs/
                 use_setting(mixers, setting)
             val = validation(model, windows, batch_size)
             row = {"arch": about["arch"], "seed": about["seed"], "checkpoint": str(checkpoint), **setting,
-                   "flops_per_token": val["flops"], "val_loss": val["loss"], "val_ppl": math.exp(val["loss"])}
+                   "cg_steps_run": val["cg_steps_run"], "flops_per_token": val["flops"], "val_loss": val["loss"],
+                   "val_ppl": math.exp(val["loss"])}
             for length, examples in probes.items():
                 found = recall(model, examples)
                 row.update({f"recall_nll_T{length}": found["nll"], f"recall_acc_T{length}": found["accuracy"],
@@ -228,7 +248,9 @@ def summarise(rows: list[dict], lengths: list[int]) -> list[dict]:
         groups.setdefault((row["arch"], row["setting"]), []).append(row)
     summary = []
     for (arch, setting), group in groups.items():
-        entry = {"arch": arch, "setting": setting, "seeds": len(group)}
+        entry = {"arch": arch, "setting": setting, "seeds": len(group),
+                 "cg_steps_run": statistics.mean(g["cg_steps_run"] for g in group) if group[0]["cg_steps_run"]
+                 is not None else None}
         for key in keys:
             values = [g[key] for g in group]
             entry[key], entry[key + "_spread"] = statistics.mean(values), max(values) - min(values)
@@ -237,9 +259,10 @@ def summarise(rows: list[dict], lengths: list[int]) -> list[dict]:
 
 
 def table(summary: list[dict], lengths: list[int]) -> str:
-    header = ["arch", "setting", "seeds", "inference FLOPs/token", "val loss (spread)", "val ppl"] + \
+    header = ["arch", "setting", "seeds", "CG steps run", "inference FLOPs/token", "val loss (spread)", "val ppl"] + \
         [f"recall NLL T{n} (spread)" for n in lengths] + [f"recall acc T{n}" for n in lengths]
-    body = [[s["arch"], s["setting"], s["seeds"], f"{s['flops_per_token']:.4g}",
+    body = [[s["arch"], s["setting"], s["seeds"], "" if s["cg_steps_run"] is None else f"{s['cg_steps_run']:.2f}",
+             f"{s['flops_per_token']:.4g}",
              f"{s['val_loss']:.4f} ({s['val_loss_spread']:.4f})", f"{s['val_ppl']:.3f}"]
             + [f"{s[f'recall_nll_T{n}']:.3f} ({s[f'recall_nll_T{n}_spread']:.3f})" for n in lengths]
             + [f"{s[f'recall_acc_T{n}']:.2f}" for n in lengths] for s in summary]
