@@ -143,6 +143,9 @@ CASES = {
     "research-mesa-ablation-zero-steps": (["research", "mesa-ablation", "--out", "ablation", "--steps", "0"], "steps"),
     "research-mesa-ablation-missing-data": (["research", "mesa-ablation", "--out", "ablation", "--data", "nowhere"],
                                             "nowhere"),
+    "research-test-time-missing-run": (["research", "test-time", "--runs", "[nowhere]", "--out", "tt"], "nowhere"),
+    "research-test-time-negative-steps": (["research", "test-time", "--runs", "[nowhere]", "--steps", "[-1]",
+                                           "--out", "tt"], "steps"),
     "research-ab-zero-repeats": (["research", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
     "research-ab-unknown-mixer": (["research", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
     # lm slurm submit (dry runs) and status
