@@ -181,6 +181,8 @@ def test_time(runs: list[str] = [], ladder: str | None = None, out: str = "runs/
                         ("recall_examples_per_length", recall_examples_per_length)):
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1, got {value}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
     paths = [Path(r) for r in runs] + (largest_rung_runs(Path(ladder)) if ladder else [])
     if not paths:
         raise UserError("nothing to evaluate: pass --runs or --ladder")
