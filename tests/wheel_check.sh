@@ -182,7 +182,11 @@ run_ladder_plan() {
     local out
     out=$(as_user lm compare ladder configs/ladder/cpu.yaml --dry_run true 2>&1) \
         || { echo "$out" | tail -20; fail "lm compare ladder configs/ladder/cpu.yaml (the shipped ladder) failed"; }
-    echo "$out" | grep -q "| gated_deltanet | 300k |" || { echo "$out"; fail "the shipped CPU ladder lacks its rungs"; }
+    # Every arch of configs/ladder/cpu.yaml at its largest rung, the tolerance-stopped Mesa variant included.
+    local arch
+    for arch in mesa "mesa@cg_tol=1e-3" gated_deltanet attention hawk; do
+        echo "$out" | grep -qF "| $arch | 310k |" || { echo "$out"; fail "the shipped CPU ladder lacks $arch's 310k rung"; }
+    done
 }
 
 run_lm_eval_cli() {

@@ -264,7 +264,7 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
     """Architectures compared by fitted scaling curves: the ladder file's runs, its lr rule, fits and report.
 
     Args:
-        file: The ladder file (configs/ladder/cpu.yaml: 5 architectures on 2 CPU cores in under 2 hours).
+        file: The ladder file (configs/ladder/cpu.yaml: 5 architectures on 2 CPU cores in about 2 hours).
         out: Where configs/, runs/, logs/, slurm/, ladder.json and report/ go; a rerun skips what is done.
         where: local: worker processes here; slurm: one array job per stage (lm slurm submit --array).
         workers: Local jobs at once (each with cpu_count / workers threads).
