@@ -16,6 +16,7 @@
 #      1e-4), each row saved as it ends and the rows not started within the budget marked skipped.
 # CALL=2 (the same machine, still warm, or a fresh one): step 1, then every 1B config at T 8192, every 400M config at
 # 2048, and `lm bench compile` (eager vs trainer.compile's inductor per mixer, bf16 autocast, rows saved as they end).
+# CALL=1 on a machine with two or more GPUs also runs `lm bench context` (context parallelism over 2 and 4 GPUs, NCCL).
 #
 #   bench/gpu.sh [OUT_DIR]     results: OUT_DIR/{env.txt,gpu-tests.txt,mesa-peer.json,mesa-peer.md,gpu-train.json,
 #                              gpu-train.md,summary.txt}, and with CALL=2 compile.json and compile.md
@@ -202,6 +203,26 @@ if [ "$CALL" = 2 ]; then
     status=$?
     say "trainer.compile per mixer: exit $status in $((SECONDS - t0)) s"
     [ $status = 0 ] || { tail -n 20 "$OUT/compile.md"; failed+=("lm bench compile"); }
+fi
+
+# 6. (CALL=1, two or more GPUs) context parallelism on NCCL: activation memory per GPU and tokens/s of each mixer at T 16384
+#    with the window split over 1, 2 (and 4) GPUs (`lm bench context`); one line saying so on a single GPU.
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$CALL" != 1 ]; then
+    :
+elif [ "$SMOKE" = 1 ] || [ "${gpus:-0}" -ge 2 ]; then
+    pieces="[1, 2]"; [ "${gpus:-0}" -ge 4 ] && pieces="[1, 2, 4]"
+    CONTEXT=(--pieces "$pieces" --T 16384 --d_model 1024 --n_heads 8 --head_dim 128 --n_layers 4)
+    [ "$SMOKE" = 1 ] && CONTEXT=(--pieces "[1, 2]" --T 64 --d_model 32 --n_heads 2 --head_dim 16 --n_layers 1
+                                 --mixers "[gated_deltanet]")
+    t0=$SECONDS
+    timeout "${CONTEXT_TIMEOUT:-240}" "$PY" -m lm.cli bench context "${CONTEXT[@]}" --json_out "$OUT/context.json" \
+        > "$OUT/context.md" 2>&1
+    status=$?
+    say "context parallelism ($pieces GPUs per window): exit $status in $((SECONDS - t0)) s"
+    [ $status = 0 ] || { tail -n 20 "$OUT/context.md"; failed+=("lm bench context"); }
+else
+    say "context parallelism: skipped, ${gpus:-0} GPU(s) here (it needs two or more)"
 fi
 
 say "total $((SECONDS - START)) s"

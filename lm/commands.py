@@ -82,6 +82,8 @@ COMMANDS = {
                           "data_prep's tokenizing vs encode_batch", "bench"),
     "bench peers": Command("lm.bench.peers:bench_peers", "lm vs litgpt's GPT (training step) and mlstm_kernels' "
                            "native mLSTM (forward+backward), ratios", "bench"),
+    "bench context": Command("lm.bench.context_parallel:bench_context", "context parallelism: activation memory "
+                             "per rank and tokens/s at N = 1, 2, 4 ranks per window", "bench"),
     "bench strategies": Command("lm.bench.strategy_memory:bench_strategy_memory",
                                 "memory per rank under DDP, ZeRO-2, ZeRO-3 and FSDP2 (2 CPU processes)", "bench"),
     "bench compile": Command("lm.bench.compile_speed:bench_compile", "eager vs torch.compile'd training steps per "

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from lm.context_parallel import ContextGroup, receive_state, send_state
 from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
 from lm.mixers.layers import residual_output
@@ -120,7 +121,23 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
-    def forward(self, x, state=None, reset=None):
+    def forward(self, x, state=None, reset=None, context: ContextGroup | None = None, recompute: bool = False):
+        """(x after the block, the mixer's state). With `context` (context parallelism) the state comes from the
+        previous rank's piece and goes on to the next (lm.context_parallel) in place of being returned. The exchange
+        is inside the block, so that FSDP's gathers of its weights (before its forward and its backward) come in the
+        same order on every rank and never wait on a rank that waits for a state. `recompute`: keep only the input
+        and run again in the backward pass (activation checkpointing), without the exchange, which happens once."""
+        if context is not None:
+            x, state = receive_state(x, context)
+        if recompute:
+            x, state = torch.utils.checkpoint.checkpoint(self.mix, x, state, reset, use_reentrant=False)
+        else:
+            x, state = self.mix(x, state, reset)
+        if context is not None:  # the state goes on to the next rank, and is not returned (nothing continues it here)
+            return send_state(x, state, context), None
+        return x, state
+
+    def mix(self, x, state=None, reset=None):
         y, state = self.mixer(self.mixer_norm(x), state, reset)
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
@@ -135,6 +152,7 @@ class LanguageModel(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.activation_checkpointing = False  # recompute each block in the backward pass (set for training)
+        self.context: ContextGroup | None = None  # context parallelism: this rank's piece of each window (training)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -213,18 +231,21 @@ class LanguageModel(nn.Module):
 
         reset [B, T] bool: every mixer's state (recurrent state, conv buffers, KV cache) is cleared before the marked
         tokens, so the documents packed in a row see nothing of each other. By default it is
-        ``input_ids == cfg.document_separator`` for a model trained with resets, and no reset otherwise."""
+        ``input_ids == cfg.document_separator`` for a model trained with resets, and no reset otherwise.
+
+        With `self.context` set (context parallelism), input_ids is this rank's piece of each window and every rank of
+        the group calls forward together; each returns its piece's logits or loss."""
         if reset is None and self.cfg.document_separator is not None:
             reset = input_ids == self.cfg.document_separator
+        context = self.context
+        if context is not None and state is not None:
+            raise ValueError("a context-parallel forward starts every window from an empty state")
         x = self.embed(input_ids)
         state = state or [None] * len(self.blocks)
         new_state = []
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block, layer_state in zip(self.blocks, state):
-            if recompute:
-                x, layer_state = torch.utils.checkpoint.checkpoint(block, x, layer_state, reset, use_reentrant=False)
-            else:
-                x, layer_state = block(x, layer_state, reset)
+            x, layer_state = block(x, layer_state, reset, context, recompute)
             new_state.append(layer_state)
         x = self.norm(x)
         head = self.embed.weight if self.head is None else self.head.weight

@@ -217,3 +217,16 @@ def test_a_variant_carries_its_options_and_a_tolerance_run_is_planned_at_its_exp
     assert config["model"]["mixer_options"] == {"mesa": {"cg_tol": 1e-3}}
     with pytest.raises(UserError, match="not OPTION=VALUE for an option of mesa"):
         plan(archs="mesa@window=3", params=3e6, dry_run=True)
+
+
+def test_a_context_parallel_base_plans_its_replicas_and_carries_the_split(tmp_path):
+    """configs/long_context/'s recipe: 8 processes, each window over 4 of them: a global batch of 16 windows is
+    micro-batches of 1 on 2 replicas (accumulation 8), not on 8 processes, and every config keeps the split."""
+    out = tmp_path / "plan"
+    result = plan(archs=["mesa", "attention"], params=1e9, lrs=[2e-3], out=str(out),
+                  base=str(Path(__file__).resolve().parents[1] / "configs" / "long_context" / "mesa_1b_32k.yaml"))
+    assert "Context parallel: each window split over 4 ranks of 8,192 tokens" in (out / "plan.md").read_text()
+    for row in result["archs"]:
+        config = parse_run_config(["--config", row["configs"][0]])[0]
+        assert config.strategy.context_parallel == 4 and config.strategy.data_parallel_size == 2
+        assert config.data.global_batch == 16 and config.data.seq_len == 32768

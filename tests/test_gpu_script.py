@@ -44,6 +44,11 @@ def test_gpu_script_smoke(smoke):
     assert mesa["rows"][0]["lm_error"] < 1e-5 and "| lm speed / fla |" in (tmp_path / "mesa-peer.md").read_text()
     assert all(r["mfu_datasheet"] > 0 and r["first_step_s"] > 0 for r in rows)
     assert "| MFU (datasheet) |" in (tmp_path / "gpu-train.md").read_text()
+    # Context parallelism (on the CPU: gloo), whose memory per rank falls with the window split over two
+    context = json.loads((tmp_path / "context.json").read_text())["rows"]
+    assert [(r["mixer"], r["N"], r["tokens_per_rank"]) for r in context] == [("gated_deltanet", 1, 64),
+                                                                             ("gated_deltanet", 2, 32)]
+    assert context[1]["memory_vs_fewest"] < 0.9 and len(context[1]["peak_mib_per_rank"]) == 2
     assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
 
 
@@ -57,6 +62,7 @@ def test_gpu_script_second_call_smoke(smoke):
                                                                       ("gated_deltanet", 24, "ok")]
     compiled = json.loads((tmp_path / "compile.json").read_text())["rows"]
     assert [(r["mixer"], r["status"]) for r in compiled] == [("attention", "ok")]
+    assert not (tmp_path / "context.json").exists()  # CALL=1's
     assert (tmp_path / "summary.txt").read_text().splitlines()[-1] == "all passed"
 
 

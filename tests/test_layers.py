@@ -16,7 +16,7 @@ LAYERS = [
      "lm.report_section", "lm.commands"),
     ("lm.ops",),
     ("lm.mixers",),
-    ("lm.model",),
+    ("lm.model", "lm.context_parallel"),
     ("lm.accounting",),
     ("lm.data_prep",),
     ("lm.training",),

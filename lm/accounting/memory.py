@@ -72,18 +72,24 @@ def state_bytes(params: int, strategy: str, world_size: int, precision: str) -> 
 _saved: dict[tuple, int] = {}  # counting runs a block: once per shape
 
 
-def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool) -> int:
-    """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted)."""
+def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool, before: int = 0) -> int:
+    """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted),
+    continuing from the state of `before` earlier tokens (a context-parallel rank's piece)."""
     key = (mixer, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_hidden, repr(cfg.mixer_options.get(mixer)),
-           seq_len, bf16)
+           seq_len, bf16, before)
     if key not in _saved:
-        _saved[key] = count_saved_bytes(replace(cfg, n_layers=1, mixer=mixer, layer_pattern=None), seq_len, bf16)
+        _saved[key] = count_saved_bytes(replace(cfg, n_layers=1, mixer=mixer, layer_pattern=None), seq_len, bf16,
+                                        before)
     return _saved[key]
 
 
-def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool) -> int:
+def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0) -> int:
     torch.manual_seed(0)
     block = Block(cfg, 0, cfg.mixer)
+    state = None
+    if before:
+        with torch.no_grad():
+            _, state = block(torch.randn(1, before, cfg.d_model), None)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     param_shapes = {p.shape for p in block.parameters()}
     seen: dict[int, int] = {}
@@ -98,8 +104,21 @@ def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool) -> int:
     x = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        block(x)
+        block(x, state)
     return sum(seen.values())
+
+
+def preceding_bytes_per_token(cfg: LMConfig, mixer: str, bf16: bool, piece: int) -> float:
+    """What one block of `mixer` keeps, per sequence, for each token before its piece of `piece` tokens under context
+    parallelism: attention's keys and values of the earlier pieces (on the CPU, where it is counted, also the padded
+    queries and outputs of lm.mixers.attention.causal_after_cache: an upper bound for CUDA's kernels), and anything
+    that grows with the piece too; 0 where the state that crosses ranks has a fixed size. From counts at two earlier
+    lengths (a fixed state cancels) and two piece lengths (what grows with both)."""
+    short, long = 128, 256
+    growth = {T: (saved_bytes(cfg, mixer, T, bf16, long) - saved_bytes(cfg, mixer, T, bf16, short)) / (long - short)
+              for T in (64, 128)}
+    per_query = (growth[128] - growth[64]) / 64
+    return max(0.0, growth[64] + per_query * (piece - 64))
 
 
 def activation_bytes(cfg: LMConfig, mixer: str, tokens: int, seq_len: int, bf16: bool) -> float:
@@ -121,14 +140,21 @@ def workspace_bytes(cfg: LMConfig, tokens: int) -> float:
 
 
 def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "single", world_size: int = 1,
-                precision: str = "bf16-mixed", activation_checkpointing: bool = False) -> MemoryPlan:
-    """The per-GPU memory of a training step of micro_batch sequences of seq_len (see the module docstring)."""
+                precision: str = "bf16-mixed", activation_checkpointing: bool = False,
+                context_parallel: int = 1) -> MemoryPlan:
+    """The per-GPU memory of a training step of micro_batch sequences of seq_len (see the module docstring), each
+    split over context_parallel ranks (lm.context_parallel): a rank keeps the activations of its piece, and the last
+    rank also what attention keeps of the pieces before it."""
     bf16 = precision == "bf16-mixed"
     act = 2 if bf16 else 4  # bytes of an activation
     params = param_count(cfg)
     weights, gradients, optimizer = state_bytes(params, strategy, world_size, precision)
-    tokens = micro_batch * seq_len
-    per_block = [activation_bytes(cfg, mixer, tokens, seq_len, bf16) for mixer in cfg.layer_mixers()]
+    piece = seq_len // context_parallel
+    tokens = micro_batch * piece
+    before = micro_batch * (seq_len - piece)  # the last rank's earlier tokens
+    per_block = [activation_bytes(cfg, mixer, tokens, piece, bf16) +
+                 (before * preceding_bytes_per_token(cfg, mixer, bf16, piece) if before else 0.0)
+                 for mixer in cfg.layer_mixers()]
     if activation_checkpointing:
         activations = cfg.n_layers * tokens * cfg.d_model * 4 + max(per_block)  # inputs kept; one block recomputed
     else:

@@ -73,19 +73,22 @@ def check_against_cpu(mixers: list[str]) -> list[dict]:
     return rows
 
 
-def model_of(path: str) -> tuple[LMConfig, dict]:
+def model_of(path: str) -> tuple[LMConfig, dict, int]:
+    """(the model, the data section, strategy.context_parallel) of a run config."""
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
-        return LMConfig(**raw["model"]), raw.get("data", {})
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as err:
+        pieces = int((raw.get("strategy") or {}).get("context_parallel", 1))
+        return LMConfig(**raw["model"]), raw.get("data", {}), pieces
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as err:
         raise UserError(f"cannot read the model of {path}: {err}") from None
 
 
 def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = None, micro_batch: int | None = None,
                       gpu_gib: list[float] = [80, 141], strategy: str = "single", world_size: int = 1,  # noqa: B006
                       precision: str = "bf16-mixed", check: bool = False,
-                      check_mixers: list[str] | None = None, json_out: str | None = None):
+                      check_mixers: list[str] | None = None, context_parallel: int | None = None,
+                      json_out: str | None = None):
     """The memory plan of each config at its micro_batch and seq_len (or the ones given), by component, and the
     largest micro_batch that fits each GPU size with and without activation checkpointing.
 
@@ -101,6 +104,8 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
         check: Instead, hold the plan to measured fp32 CPU peaks of whole training steps at three small sizes (the
             tensor memory torch's CPU allocator hands out, tracked).
         check_mixers: The mixers of the check (default: every mixer).
+        context_parallel: GPUs that share each sequence, each holding seq_len / N tokens (default: each config's
+            strategy.context_parallel, else 1); world_size counts them all.
         json_out: Also write the result as JSON to this path.
     """
     if strategy not in STRATEGIES or precision not in ("bf16-mixed", "fp32") or world_size < 1:
@@ -118,23 +123,29 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
             raise UserError("give --configs (run config YAMLs), or --check true")
         rows = []
         for path in [match for pattern in configs for match in sorted(glob.glob(pattern)) or [pattern]]:
-            cfg, data = model_of(path)
+            cfg, data, pieces = model_of(path)
+            pieces = context_parallel or pieces
             T = seq_len or data.get("seq_len", cfg.max_seq_len)
             b = micro_batch or data.get("micro_batch", 1)
-            kw = dict(strategy=strategy, world_size=world_size, precision=precision)
-            rows.append({"config": path, "seq_len": T, "micro_batch": b, **plan_memory(cfg, b, T, **kw).gib(),
+            if pieces < 1 or T % pieces or world_size % pieces:
+                raise UserError(f"{path}: context_parallel {pieces} must divide seq_len {T} and world_size "
+                                f"{world_size}")
+            kw = dict(strategy=strategy, world_size=world_size, precision=precision, context_parallel=pieces)
+            rows.append({"config": path, "seq_len": T, "micro_batch": b, "context_parallel": pieces,
+                         **plan_memory(cfg, b, T, **kw).gib(),
                          **micro_batch_fits(cfg, T, gpu_gib, **kw)})
         result = rows
         print(json.dumps(rows, indent=2))
         print(f"\nGiB per GPU ({strategy}, world size {world_size}, {precision}); fits: the largest micro_batch "
               "(with activation checkpointing)")
         fits = " | ".join(f"fits {g:g} GiB" for g in gpu_gib)
-        print(f"\n| config | T | micro_batch | weights | grads | optimizer | activations | logits | Mesa CG | peak "
-              f"| {fits} |")
-        print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_gib))
+        print(f"\n| config | T | context parallel | micro_batch | weights | grads | optimizer | activations | logits "
+              f"| Mesa CG | peak | {fits} |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(gpu_gib))
         for r in rows:
             fit = " | ".join(f"{r[f'fits_{g:g}gib']} ({r[f'fits_{g:g}gib_ckpt']})" for g in gpu_gib)
-            print(f"| {r['config']} | {r['seq_len']} | {r['micro_batch']} | {r['weights']:.1f} | {r['gradients']:.1f} "
+            print(f"| {r['config']} | {r['seq_len']} | {r['context_parallel']} | {r['micro_batch']} "
+                  f"| {r['weights']:.1f} | {r['gradients']:.1f} "
                   f"| {r['optimizer']:.1f} | {r['activations']:.1f} | {r['logits']:.2f} | {r['mesa_cg']:.2f} "
                   f"| {r['peak']:.1f} | {fit} |")
     if json_out:

@@ -271,12 +271,12 @@ def load_base(base: str | None) -> tuple[dict, "object"]:
 
 
 def sequences_per_step(run, global_batch: int | None) -> int:
-    """--global_batch, else the base config's, else its micro-batch x accumulation x world; checked to split into
-    micro-batches over the base's devices."""
+    """--global_batch, else the base config's, else its micro-batch x accumulation x data-parallel size (the
+    processes over strategy.context_parallel); checked to split into micro-batches over the base's replicas."""
     from lm.training.batch import global_batch_of, resolve_accumulation
 
     d, st = run.data, run.strategy
-    world = st.devices * st.num_nodes if isinstance(st.devices, int) else 1
+    world = max(1, (st.devices * st.num_nodes if isinstance(st.devices, int) else 1) // st.context_parallel)
     if global_batch is None:
         global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
     if global_batch is None:
@@ -412,6 +412,12 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
     notes.append(f"seq_len {seq_len}, vocab {template.vocab_size}, global batch {batch} sequences = "
                  f"{tokens_per_step:,} tokens/step; " + (f"budget {sci(budget)} FLOPs per run." if budget else
                                                          f"{TOKENS_PER_PARAM} tokens per target parameter for all."))
+    if (pieces := run.strategy.context_parallel) > 1:
+        notes.append(f"Context parallel: each window split over {pieces} ranks of {seq_len // pieces:,} tokens "
+                     f"(strategy.context_parallel), the global batch over the processes / {pieces} replicas; the "
+                     "FLOPs are the whole window's.")
+        if seq_len % pieces:
+            raise UserError(f"the base's strategy.context_parallel {pieces} does not divide seq_len {seq_len}")
 
     rows = []
     for arch, cfg, move in matched_shapes(arch_list, reference, metric, goal):

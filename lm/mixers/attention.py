@@ -29,6 +29,21 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def causal_after_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """SDPA of T queries that follow cached keys: every cached key and the causal part of the T new ones (a
+    lower-right causal mask), without a [T, keys] mask, which autograd would keep (a context-parallel piece against
+    the pieces before it). On CUDA torch's CausalBias (its flash and memory-efficient kernels); elsewhere the queries
+    padded in front to the keys' length through SDPA's causal kernel, the padded rows dropped: more compute than the T
+    rows need, memory linear in the keys."""
+    T, L = q.shape[2], k.shape[2]
+    if q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, L), enable_gqa=gqa)
+    padded = torch.cat([q.new_zeros(*q.shape[:2], L - T, q.shape[3]), q], dim=2)
+    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, enable_gqa=gqa)[:, :, L - T:]
+
+
 @register("attention")
 class Attention(Mixer):
     """Multi-head causal attention (RoPE on q and k, optional grouped-query heads).
@@ -148,6 +163,8 @@ class Attention(Mixer):
             document_start = None if starts is None else starts - (seen - cached)  # as indices into k
             block_mask = attention_block_mask(T, cached, self.window, document_start, x.device)
             y = flex_attend(q, k, v, block_mask, enable_gqa=gqa, window=self.window, documents=starts is not None)
+        elif cached and T > 1 and starts is None and self.window is None:  # a piece after the cache (context parallel)
+            y = causal_after_cache(q, k, v, gqa)
         else:
             mask = self.allowed(T, seen, cached, x.device, starts)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)

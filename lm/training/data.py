@@ -6,6 +6,8 @@ permutation seeded by (seed, e), epoch after epoch without end; the run's length
 of that global stream is consumed by rank p mod world, and within a rank micro-batch t comes from worker
 t mod num_workers: for micro_batch 1, rank r of world w, worker j of n, gets positions r + w * (j + n * i).
 The only state is the number of windows consumed, so a resume is exact and survives a change of world size.
+Under context parallelism (strategy.context_parallel N) "rank" and "world" here are the data-parallel rank and size
+(global rank // N, world / N): the N ranks of a context group read the same windows, each training on its piece.
 
 A mixture (data.sources) has one such stream per source, each with its own epochs and permutations (source i > 0
 seeded by (seed, e, i)); lm.training.mixture says which source, and which of its positions, each global position
@@ -19,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from lm.data_prep.shards import load_manifest, open_split
 from lm.errors import UserError
@@ -254,6 +256,7 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg = cfg
         self.windows_consumed = 0
+        self.context_parallel = 1  # ranks that share each window (strategy.context_parallel), which lm train sets
         self.sources = cfg.mixture()
         self.train_streams = [TokenStream(s.path, "train", verify=cfg.verify) for s in self.sources]
         check_one_tokenizer(self.sources, [stream.manifest for stream in self.train_streams])
@@ -282,18 +285,31 @@ class TokenDataModule(L.LightningDataModule):
         counts = self.schedule.counts(windows) * self.cfg.seq_len
         return dict(zip(self.names, (int(c) for c in counts), strict=True))
 
-    def train_dataloader(self):
+    @property
+    def replica(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): the ranks of a context group (consecutive
+        ranks, lm.context_parallel.context_groups) read the same windows."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return rank // self.context_parallel, max(1, world // self.context_parallel)
+
+    def train_dataloader(self):
+        rank, replicas = self.replica
         dataset = TrainWindows(self.train_streams, self.cfg.seq_len, self.cfg.micro_batch, self.cfg.seed,
-                               self.windows_consumed, rank, world, self.schedule)
+                               self.windows_consumed, rank, replicas, self.schedule)
         return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers,
                           persistent_workers=False)
 
     def val_dataloader(self):
-        """One loader per source (a single one for a mixture of one)."""
-        loaders = [DataLoader(ValidationWindows(stream, self.cfg.seq_len, self.cfg.val_windows),
-                              batch_size=self.cfg.micro_batch, shuffle=False, num_workers=0)
-                   for stream in self.val_streams]
+        """One loader per source (a single one for a mixture of one). Lightning spreads the windows over the ranks;
+        under context parallelism they are spread over the replicas here, each context group sharing its own."""
+        rank, replicas = self.replica
+        sampler = lambda windows: (DistributedSampler(windows, replicas, rank, shuffle=False)  # noqa: E731
+                                   if self.context_parallel > 1 else None)
+        loaders = []
+        for stream in self.val_streams:
+            windows = ValidationWindows(stream, self.cfg.seq_len, self.cfg.val_windows)
+            loaders.append(DataLoader(windows, batch_size=self.cfg.micro_batch, shuffle=False, num_workers=0,
+                                      sampler=sampler(windows)))
         return loaders[0] if len(loaders) == 1 else loaders
 
     def state_dict(self):
@@ -319,4 +335,4 @@ class CountConsumedWindows(L.Callback):
     of that step is written (Lightning runs checkpoint callbacks after the others)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.datamodule.windows_consumed += batch.shape[0] * trainer.world_size
+        trainer.datamodule.windows_consumed += batch.shape[0] * trainer.datamodule.replica[1]

@@ -7,6 +7,7 @@ import lightning as L
 import torch
 
 from lm.accounting.flops import flops_spent_per_token
+from lm.context_parallel import join_context_group
 from lm.model import LanguageModel, LMConfig
 from lm.training.param_groups import decay_groups, param_groups
 from lm.training.rng import rng_state, set_rng_state
@@ -15,14 +16,19 @@ from lm.training.schedule import OptimConfig, lr_at
 
 def next_token_loss(model: LanguageModel, windows: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1] (float32; the head runs over chunks of
-    tokens inside the model's forward, so that FSDP's gathered weights serve it and no [tokens, vocab] logits exist)."""
-    loss, _ = model(windows[:, :-1], targets=windows[:, 1:])
+    tokens inside the model's forward, so that FSDP's gathered weights serve it and no [tokens, vocab] logits exist).
+    Under context parallelism (model.context), of this rank's piece of the windows: the mean over the group's ranks
+    is the windows' loss, and the gradients that DDP or FSDP average over every rank are its gradients."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    if model.context is not None:
+        inputs, targets = model.context.piece(inputs), model.context.piece(targets)
+    loss, _ = model(inputs, targets=targets)
     return loss
 
 
 class LMModule(L.LightningModule):
     def __init__(self, model: LMConfig | dict, optim: OptimConfig | dict, max_steps: int,
-                 activation_checkpointing: bool = False, compile: bool = False):
+                 activation_checkpointing: bool = False, compile: bool = False, context_parallel: int = 1):
         super().__init__()
         model = LMConfig(**model) if isinstance(model, dict) else model
         optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
@@ -33,6 +39,7 @@ class LMModule(L.LightningModule):
         self.decay_groups = decay_groups(self.model)  # now: FSDP2's sharded parameters lose the mixers' markers
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
+        self.context_parallel = context_parallel  # ranks that share each window (lm.context_parallel)
         self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (callbacks.stability)
 
     batch_shape: tuple[int, int] | None = None  # (micro_batch, seq_len) of this rank, which lm train sets
@@ -44,7 +51,13 @@ class LMModule(L.LightningModule):
         if self.batch_shape is None:
             return None
         micro_batch, seq_len = self.batch_shape
-        return flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len
+        # Under context parallelism the group's ranks spend the window's FLOPs together: this rank's share.
+        return flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len / self.context_parallel
+
+    def setup(self, stage: str) -> None:
+        """Context parallelism: join this rank's context group, once the processes are connected."""
+        if self.context_parallel > 1 and self.model.context is None:
+            self.model.context = join_context_group(self.context_parallel)
 
     def configure_model(self):
         """FSDP2: one `fully_shard` per block, then the rest; torch.compile per block if asked (after sharding,

@@ -41,6 +41,9 @@ class StrategyConfig:
         offload_optimizer: DeepSpeed: keep optimizer state (and its step) on the CPU.
         offload_params: DeepSpeed stage 3: keep parameters on the CPU.
         deepspeed_config: A DeepSpeed JSON (see configs/deepspeed/); the settings above override its keys.
+        context_parallel: Ranks that share each window (lm.context_parallel), each holding a contiguous piece of
+            data.seq_len / N tokens; the data-parallel size is then the processes / N. DDP or FSDP (which shards over
+            every process).
     """
 
     name: str = "auto"
@@ -52,6 +55,7 @@ class StrategyConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     deepspeed_config: str | None = None
+    context_parallel: int = 1
 
     def __post_init__(self):
         if self.name not in NAMES:
@@ -68,6 +72,8 @@ class StrategyConfig:
             raise UserError(f"strategy.zero_stage must be 1, 2 or 3, not {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:
             raise UserError("strategy.offload_params needs strategy.zero_stage 3")
+        if not (isinstance(self.context_parallel, int) and self.context_parallel >= 1):
+            raise UserError(f"strategy.context_parallel must be a number of at least 1, got {self.context_parallel!r}")
 
     @property
     def on_gpu(self) -> bool:
@@ -79,6 +85,14 @@ class StrategyConfig:
         devices = self.devices if isinstance(self.devices, int) else \
             (torch.cuda.device_count() if self.on_gpu else 1)
         return devices * self.num_nodes
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the model that see different windows: the processes over the ranks that share a window."""
+        if self.world_size % self.context_parallel:
+            raise UserError(f"strategy.context_parallel {self.context_parallel} does not divide the {self.world_size} "
+                            f"processes (devices {self.devices} x num_nodes {self.num_nodes})")
+        return self.world_size // self.context_parallel
 
     @property
     def resolved_precision(self) -> str:
@@ -195,6 +209,11 @@ def check_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: in
                         f"{cfg.precision}")
     if cfg.name == "deepspeed":
         deepspeed_settings(cfg, grad_clip, micro_batch)  # its JSON file
+    if cfg.context_parallel > 1:
+        if cfg.name not in ("auto", "ddp", "fsdp"):
+            raise UserError(f"strategy.context_parallel {cfg.context_parallel} needs strategy.name ddp or fsdp, not "
+                            f"{cfg.name}")
+        cfg.data_parallel_size  # noqa: B018 - raises where the context groups do not divide the processes
 
 
 def build_strategy(cfg: StrategyConfig, grad_clip: float | None, micro_batch: int):

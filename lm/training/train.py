@@ -195,10 +195,12 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
     if t.wandb:
         loggers.append(WandbLogger(project=t.wandb_project, save_dir=run_dir, id=wandb_run_id(run_dir),
                                    offline=t.wandb_mode == "offline", resume="allow"))
-    tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1)  # noqa: E731
+    # This rank's tokens: a context group's ranks share their windows, each holding a 1/context_parallel piece.
+    pieces = st.context_parallel
+    tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1) // pieces  # noqa: E731
     callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), stop, stability,
                  MixerMetrics(), SpentFlops(),
-                 Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0], length_fn=tokens,
+                 Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0] / pieces, length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
                  *progress_callbacks(t.progress_bar, t.log_every, tokens)]
@@ -224,12 +226,19 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
 
 
 def batch_plan(config: RunConfig) -> tuple[int, int, int]:
-    """(world size, accumulation, global batch in sequences) from the config (lm.training.batch)."""
-    d = config.data
-    world = config.strategy.world_size
+    """(data-parallel size, accumulation, global batch in sequences) from the config (lm.training.batch). The ranks
+    of a context group share their windows, so the data-parallel size is the world over strategy.context_parallel."""
+    d, pieces = config.data, config.strategy.context_parallel
+    if d.seq_len % pieces:
+        raise UserError(f"strategy.context_parallel {pieces} does not divide data.seq_len {d.seq_len} into equal "
+                        "pieces")
+    if pieces > 1 and config.eval.every:
+        raise UserError("eval.every evaluates on each rank alone, which strategy.context_parallel's ranks cannot: "
+                        "evaluate the run's checkpoints with lm eval instead")
+    replicas = config.strategy.data_parallel_size
     global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
-    accumulate = resolve_accumulation(global_batch, d.micro_batch, config.trainer.accumulate, world)
-    return world, accumulate, d.micro_batch * accumulate * world
+    accumulate = resolve_accumulation(global_batch, d.micro_batch, config.trainer.accumulate, replicas)
+    return replicas, accumulate, d.micro_batch * accumulate * replicas
 
 
 def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Sequence[L.Callback] = ()) -> Path:
@@ -248,26 +257,34 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     datamodule = TokenDataModule(config.data)
     check_compatible(config, datamodule.manifest)
     config = with_document_resets(config, datamodule.manifest)
-    world, accumulate, global_batch = batch_plan(config)
+    replicas, accumulate, global_batch = batch_plan(config)
     check_source_tokens(config, global_batch)
     check_launch(config)  # the launch, the strategy on this machine; says a silent precision change
     # Before anything is written: a bad --resume, or one this strategy cannot continue, changes nothing (resume_path
     # only writes a weights-only copy next to the checkpoint, after its own checks).
     checkpoint = resolve_resume(run_dir, resume)
-    ckpt_path = resume_path(checkpoint, config, world) if checkpoint else None
+    ckpt_path = resume_path(checkpoint, config, config.strategy.world_size) if checkpoint else None
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, yaml)
     tokenizer = Path(config.data.first_path) / datamodule.manifest["tokenizer"]["file"]
     if not (run_dir / "tokenizer.json").exists():
         shutil.copyfile(tokenizer, run_dir / "tokenizer.json")
+    pieces = config.strategy.context_parallel
     module = LMModule(config.model, config.optim, config.trainer.max_steps,
-                      config.trainer.activation_checkpointing, config.trainer.compile)
+                      config.trainer.activation_checkpointing, config.trainer.compile, pieces)
     module.batch_shape = (config.data.micro_batch, config.data.seq_len)
+    if config.strategy.resolved_precision == "64-true":
+        # Lightning restores a checkpoint's weights before its precision converts the module: a float32 module would
+        # round the float64 weights it resumes from.
+        module.double()
+    datamodule.context_parallel = pieces
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
-        print(f"lm train: {world} processes x micro_batch {config.data.micro_batch} x accumulate {accumulate} = "
-              f"{global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step", file=sys.stderr)
+        context = f" (context parallel: {pieces} processes share each window)" if pieces > 1 else ""
+        print(f"lm train: {replicas} processes{context} x micro_batch {config.data.micro_batch} x accumulate "
+              f"{accumulate} = {global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step",
+              file=sys.stderr)
         if len(datamodule.sources) > 1:
             print(mixture_summary(datamodule, config.trainer.max_steps * global_batch), file=sys.stderr)
         if checkpoint is not None:  # says which checkpoint this launch continues, so a log shows every resume

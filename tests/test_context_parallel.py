@@ -1,0 +1,122 @@
+"""Context parallelism (lm.context_parallel): on 2 and 4 gloo processes, in float64, every registered mixer and a
+hybrid give what one process gives on the whole window, to 1e-10: logits, loss, and the gradients of every parameter
+and of the embedded input, with documents that start on a piece's boundary and inside a piece."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lm.context_parallel import context_groups, join_context_group
+from lm.mixers import MIXERS
+from lm.model import LanguageModel, LMConfig
+
+T, SEPARATOR = 24, 1  # pieces of 12 (2 ranks) and 6 (4 ranks)
+# Small chunks and windows, so that a piece spans several chunks and the state that crosses ranks is all of it.
+OPTIONS = {"attention": {"n_kv_heads": 1}, "swa": {"window": 5}, "hawk": {"chunk_size": 4},
+           "gla": {"chunk_size": 8, "sub_chunk": 4, "conv_size": 4}, "mlstm": {"conv_size": 4, "chunk_size": 4},
+           "mamba2": {"chunk_size": 4}, "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4},
+           "mesa": {"cg_steps": 30}}
+MODELS = [*sorted(MIXERS), "hawk,mesa", "mesa,swa"]
+
+
+def build(name: str) -> LanguageModel:
+    torch.manual_seed(0)
+    pattern = name if "," in name else None
+    names = name.split(",")
+    cfg = LMConfig(vocab_size=40, d_model=16, n_layers=2 * len(names), n_heads=2, head_dim=8, mixer=names[0],
+                   layer_pattern=pattern, mixer_options={n: OPTIONS.get(n, {}) for n in names}, max_seq_len=T,
+                   document_separator=SEPARATOR)
+    return LanguageModel(cfg).double()
+
+
+def windows() -> torch.Tensor:
+    """Two rows of T + 1 tokens; documents start at 12 (a piece boundary at 2 and 4 ranks), 6 (one at 4 ranks, inside a
+    piece at 2) and 9 (inside a piece at both)."""
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 40, (2, T + 1), generator=generator)
+    tokens[0, 12] = tokens[0, 9] = tokens[1, 6] = SEPARATOR
+    return tokens
+
+
+def run(model: LanguageModel, tokens: torch.Tensor) -> dict:
+    """Loss, logits, parameter gradients and the gradient of the embedded input of one forward and backward."""
+    embedded = []
+
+    def keep(module, args, out):
+        out.retain_grad()
+        embedded.append(out)
+
+    hook = model.embed.register_forward_hook(keep)
+    model.zero_grad()
+    loss, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    hook.remove()
+    loss.backward()
+    with torch.no_grad():
+        logits, _ = model(tokens[:, :-1])
+    return {"loss": loss.detach(), "logits": logits, "input_grad": embedded[0].grad,
+            "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+
+
+def worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = join_context_group(world)
+    errors = {}
+    for name in MODELS:
+        whole = run(build(name), windows())
+        model = build(name)
+        model.context = group
+        tokens = windows()
+        piece = torch.cat([group.piece(tokens[:, :-1]), group.piece(tokens[:, 1:])[:, -1:]], dim=1)
+        mine = run(model, piece)
+        # The loss of the window is the mean of the pieces'; its gradients are the sum over ranks of each rank's
+        # gradients of its own piece's loss, over the number of pieces.
+        loss = mine["loss"].clone()
+        dist.all_reduce(loss)
+        logits, input_grad = ([torch.empty_like(mine[key]) for _ in range(world)] for key in ("logits", "input_grad"))
+        dist.all_gather(logits, mine["logits"])
+        dist.all_gather(input_grad, mine["input_grad"])
+        worst = {"loss": float((loss / world - whole["loss"]).abs()),
+                 "logits": float((torch.cat(logits, 1) - whole["logits"]).abs().max()),
+                 "input_grad": float((torch.cat(input_grad, 1) / world - whole["input_grad"]).abs().max())}
+        for key, grad in mine["grads"].items():
+            dist.all_reduce(grad)
+            worst[f"grad {key}"] = float((grad / world - whole["grads"][key]).abs().max())
+        errors[name] = worst
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def errors(request, tmp_path_factory) -> tuple[int, dict]:
+    out = tmp_path_factory.mktemp(f"cp{request.param}") / "errors.json"
+    mp.start_processes(worker, args=(request.param, free_port(), str(out)), nprocs=request.param, start_method="spawn")
+    return request.param, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_context_parallel_equals_one_process(errors, name):
+    world, found = errors
+    worst = found[name]
+    assert len(worst) > 3, "no parameter gradient was compared"
+    too_far = {key: value for key, value in worst.items() if not value <= 1e-10}
+    assert not too_far, f"{name} on {world} ranks differs from one process: {too_far}"
+
+
+def test_context_groups_are_consecutive_ranks():
+    assert context_groups(8, 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert context_groups(4, 1) == [(0,), (1,), (2,), (3,)]
