@@ -97,7 +97,7 @@ COMMANDS = {
     "research mesa-ablation": Command("lm.bench.mesa_ablation:mesa_ablation", "Mesa's variants (output scale, v conv, "
                                       "heads, Lambda, CG steps) vs Gated DeltaNet, 3 seeds", "research"),
     "research test-time": Command("lm.eval.test_time:test_time", "Mesa checkpoints at CG steps 0-30 and tolerances: "
-                                  "loss, NLL by position, recall vs inference FLOPs/token", "research"),
+                                  "loss, NLL by position, recall vs FLOPs/token", "research"),
     "research ab": Command("lm.bench.op_ab:bench_ab", "a sequence op of the working tree vs the same op at a git "
                            "revision: old / new time, one run", "research"),
 }

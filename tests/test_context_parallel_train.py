@@ -60,6 +60,8 @@ def test_context_parallel_training_is_one_process_step_for_step(runs, tmp_path):
     assert cp == pytest.approx(single, rel=1e-10, abs=0)
     a, b = exported(runs["single"], tmp_path / "a"), exported(runs["cp"], tmp_path / "b")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-10) for k in a)
+    # Validation: each group scores its replica's windows by pieces; the mean is one process's loss.
+    assert read_run(str(runs["cp"])).val_loss == pytest.approx(read_run(str(runs["single"])).val_loss, rel=1e-10)
     # The compute charged: the group spends each window's FLOPs once, between its ranks.
     assert read_run(str(runs["cp"])).spent == pytest.approx(read_run(str(runs["single"])).spent, rel=1e-12)
 

@@ -122,12 +122,13 @@ def ladder_rung(run: Path) -> tuple[str, str] | None:
 
 def describe(run: Path) -> dict:
     """Arch (a ladder's name for it, such as mesa@cg_tol=1e-3), seed, data and length of a run directory."""
-    from lm.compare.run_results import arch_name
     from lm.model import LMConfig
 
     config = yaml.safe_load((run / "config.yaml").read_text()) or {}
     rung = ladder_rung(run)
-    arch = arch_name(LMConfig(**config["model"]))
+    model = LMConfig(**config["model"])
+    # the mixer, or a hybrid's pattern joined by "+", as lm compare names it (a layer above this one)
+    arch = "+".join(name.strip() for name in model.layer_pattern.split(",")) if model.layer_pattern else model.mixer
     for options in (config["model"].get("mixer_options") or {}).values():  # how it was trained to solve
         arch += "".join(f"@{key}={options[key]:g}" for key in TRAINED_SOLVER if key in options)
     return {"arch": rung[0] if rung else arch, "seed": config.get("seed"),

@@ -34,7 +34,8 @@ def causal_after_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: b
     lower-right causal mask), without a [T, keys] mask, which autograd would keep (a context-parallel piece against
     the pieces before it). On CUDA torch's CausalBias (its flash and memory-efficient kernels); elsewhere the queries
     padded in front to the keys' length through SDPA's causal kernel, the padded rows dropped: more compute than the T
-    rows need, memory linear in the keys."""
+    rows need, memory linear in the keys, so the CPU takes it only when autograd would keep the mask (training); a
+    forward without gradients (evaluation in chunks) keeps the masked kernel."""
     T, L = q.shape[2], k.shape[2]
     if q.device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
@@ -163,8 +164,8 @@ class Attention(Mixer):
             document_start = None if starts is None else starts - (seen - cached)  # as indices into k
             block_mask = attention_block_mask(T, cached, self.window, document_start, x.device)
             y = flex_attend(q, k, v, block_mask, enable_gqa=gqa, window=self.window, documents=starts is not None)
-        elif cached and T > 1 and starts is None and self.window is None:  # a piece after the cache (context parallel)
-            y = causal_after_cache(q, k, v, gqa)
+        elif cached and T > 1 and starts is None and self.window is None and (x.is_cuda or torch.is_grad_enabled()):
+            y = causal_after_cache(q, k, v, gqa)  # a piece after the cache in training (context parallelism)
         else:
             mask = self.allowed(T, seen, cached, x.device, starts)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)

@@ -198,8 +198,9 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
     # This rank's tokens: a context group's ranks share their windows, each holding a 1/context_parallel piece.
     pieces = st.context_parallel
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1) // pieces  # noqa: E731
-    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), stop, stability,
-                 MixerMetrics(), SpentFlops(),
+    # What a step's checkpoint must hold of the step (its windows, its FLOPs) is counted before a stop can save one.
+    callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), SpentFlops(), stop,
+                 stability, MixerMetrics(),
                  Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0] / pieces, length_fn=tokens,
                             window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
