@@ -56,7 +56,8 @@ def test_the_command_fits_micro_batches_to_gpus(tmp_path, capsys):
     assert 0 < row["fits_80gib"] <= row["fits_141gib"] and row["fits_80gib"] <= row["fits_80gib_ckpt"]
     cfg = LMConfig(**yaml.safe_load(open("configs/attention/400m.yaml"))["model"])
     assert row["peak"] * GIB == pytest.approx(plan_memory(cfg, 16, 2048).peak)
-    assert "| configs/attention/400m.yaml | 2048 | 1 | 16 |" in capsys.readouterr().out  # T, context parallel, micro_batch
+    # T, context parallel, micro_batch
+    assert "| configs/attention/400m.yaml | 2048 | 1 | 16 |" in capsys.readouterr().out
 
 
 def test_context_parallel_plans_a_piece_and_attentions_earlier_keys_and_values():
