@@ -141,6 +141,8 @@ CASES = {
     "bench-context-unknown-mixer": (["bench", "context", "--mixers", "[nope]"], "--mixers"),
     "bench-plan-memory-context-not-dividing": (["bench", "plan-memory", "--configs", "[train.yaml]",
                                                 "--context_parallel", "3"], "context_parallel 3 must divide"),
+    "bench-plan-memory-zero-context": (["bench", "plan-memory", "--configs", "[train.yaml]", "--context_parallel", "0"],
+                                       "context_parallel 0 must divide"),
     "bench-data-zero-seq-len": (["bench", "data", "--seq_len", "0"], "seq_len"),
     "bench-data-missing-data": (["bench", "data", "--data", "nowhere"], "nowhere"),
     "bench-peers-zero-steps": (["bench", "peers", "--steps", "0"], "steps"),

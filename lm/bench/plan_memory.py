@@ -124,7 +124,7 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
         rows = []
         for path in [match for pattern in configs for match in sorted(glob.glob(pattern)) or [pattern]]:
             cfg, data, pieces = model_of(path)
-            pieces = context_parallel or pieces
+            pieces = pieces if context_parallel is None else context_parallel
             T = seq_len or data.get("seq_len", cfg.max_seq_len)
             b = micro_batch or data.get("micro_batch", 1)
             if pieces < 1 or T % pieces or world_size % pieces:
