@@ -346,6 +346,9 @@ def test_an_undecided_pair_says_how_many_seeds_would_decide():
     said = more_seeds_needed(np.exp(gap), np.ones_like(gap), spec)
     assert said.startswith("about 14 seeds per rung (or 20 rungs at 2 seeds)"), said
     assert "more than 100x" in more_seeds_needed(np.exp(gap - gap.mean()), np.ones_like(gap), spec)
+    # A gap already beyond the level at the target (mean 0.1, spread 0.02): no more seeds are asked for.
+    settled = more_seeds_needed(np.exp(gap + 0.09), np.ones_like(gap), spec)
+    assert settled.startswith("which is lower at the target is already settled"), settled
 
 
 def test_a_run_that_diverges_ends_as_diverged_with_an_infinite_loss(kjv_data, tmp_path, monkeypatch):

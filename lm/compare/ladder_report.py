@@ -131,6 +131,9 @@ def more_seeds_needed(samples_1, samples_2, spec) -> str:
     factor = (NormalDist().inv_cdf(spec.level) * spread / abs(mean)) ** 2 if mean else math.inf
     if factor > 100:
         return "more than 100x the runs would be needed: the two are equal within the seeds' noise"
+    if factor <= 1:  # which is lower at the target is settled; where in the range they cross is not
+        return ("which is lower at the target is already settled by these runs; where they cross is not, which "
+                "rungs over a wider range of compute would settle")
     seeds, rungs = len(spec.seeds), len(spec.rungs)
     return (f"about {math.ceil(seeds * factor)} seeds per rung (or {math.ceil(rungs * factor)} rungs at "
             f"{seeds} seeds) would, from the bootstrap's spread")
