@@ -47,7 +47,7 @@ def one_thread():
 # is done. The files with the longest fixtures or launches go first, so that neither worker is left with a long one at
 # the end while the other idles; the rest follow in pytest's order.
 LONG_FILES = ["test_scale_out", "test_mqar", "test_slurm", "test_train", "test_full_disk", "test_harness",
-              "test_kernel_self_check", "test_gpu_script",
+              "test_kernel_self_check", "test_gpu_script", "test_context_parallel_train", "test_context_parallel",
               "test_ladder", "test_progress"]
 
 
