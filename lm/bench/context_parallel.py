@@ -40,7 +40,9 @@ def rank_step(rank: int, world: int, port: int, shape: dict, batch: int, T: int,
     """One rank: a warm-up step at a short length, then the measured step at T; its peak and time into out."""
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if not cuda:
+    if cuda:
+        torch.cuda.set_device(device)  # the memory figures read the current device's
+    else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
