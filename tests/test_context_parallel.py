@@ -4,12 +4,12 @@ and of the embedded input, with documents that start on a piece's boundary and i
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from strategy_runs import free_port
 
 from lm.context_parallel import context_groups, join_context_group
 from lm.mixers import MIXERS
@@ -93,12 +93,6 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         with open(out, "w") as f:
             json.dump(errors, f)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[2, 4])

@@ -43,6 +43,7 @@ class LMModule(L.LightningModule):
         self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (callbacks.stability)
 
     batch_shape: tuple[int, int] | None = None  # (micro_batch, seq_len) of this rank, which lm train sets
+    _batch_flops: float | None = None  # flops_per_batch of the micro-batch that ran last (training_step resets it)
 
     @property
     def flops_per_batch(self) -> float | None:
@@ -50,9 +51,12 @@ class LMModule(L.LightningModule):
         Lightning's ThroughputMonitor takes for MFU and lm.training.callbacks.spent_flops adds up."""
         if self.batch_shape is None:
             return None
-        micro_batch, seq_len = self.batch_shape
-        # Under context parallelism the group's ranks spend the window's FLOPs together: this rank's share.
-        return flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len / self.context_parallel
+        if self._batch_flops is None:  # once per micro-batch: both readers of it read Mesa's telemetry (a host sync)
+            micro_batch, seq_len = self.batch_shape
+            # Under context parallelism the group's ranks spend the window's FLOPs together: this rank's share.
+            self._batch_flops = (flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len
+                                 / self.context_parallel)
+        return self._batch_flops
 
     def setup(self, stage: str) -> None:
         """Context parallelism: join this rank's context group, once the processes are connected."""
@@ -78,6 +82,7 @@ class LMModule(L.LightningModule):
                 block.compile()
 
     def training_step(self, batch, batch_idx):
+        self._batch_flops = None
         loss = next_token_loss(self.model, batch)
         # The loss over every rank's micro-batch (one all-reduce, no host sync), so logs compare across strategies.
         mean_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
