@@ -151,12 +151,14 @@ start() {
         for _ in $(seq 50); do [[ -s /run/munge/munged.pid ]] && break; sleep 0.1; done
         cp /run/munge/munged.pid "$DIR/munged.pid"  # munged's own record of its daemon's pid
     fi
-    running "$DIR/slurmctld.pid" || slurmctld
+    local fresh=""
+    running "$DIR/slurmctld.pid" || { slurmctld; fresh=1; }
     start_node "${NODES[0]}"
     start_node "${NODES[1]}"
     for _ in $(seq 100); do
         if [[ $(sinfo -h -o '%D %T' 2>/dev/null | awk '$2 ~ /^(idle|mixed|allocated)$/ {n += $1} END {print n + 0}') \
               -eq 2 ]]; then
+            [[ -z "$fresh" ]] || cancel_stale_jobs
             echo "local_cluster.sh: cluster lm-local is up (nodes ${NODES[*]} at $NET.2-3, $(nproc) CPUs each); \
 $(env_line)" >&2
             return
@@ -164,6 +166,19 @@ $(env_line)" >&2
         sleep 0.2
     done
     die "the cluster did not come up; see $DIR/log/"
+}
+
+cancel_stale_jobs() {
+    # A controller started anew recovers the jobs of its last run from its spool, but their processes ended with the
+    # old daemons: one still "running" there would hold its node's CPUs and memory for ever, and the next 2-node job
+    # (a test's) would wait behind it. They are cancelled, so that each start begins with an empty queue.
+    local jobs
+    jobs="$(squeue -h -o %A 2>/dev/null | tr '\n' ' ')"
+    [[ -n "${jobs// /}" ]] || return 0
+    echo "local_cluster.sh: cancelling jobs left from the cluster's last run: $jobs" >&2
+    scancel $jobs 2>/dev/null || true
+    for _ in $(seq 150); do [[ -z "$(squeue -h -o %A 2>/dev/null)" ]] && return 0; sleep 0.2; done
+    echo "local_cluster.sh: jobs still queued after 30 s: $(squeue -h -o '%A %T' | tr '\n' ' ')" >&2
 }
 
 stop() {

@@ -107,11 +107,20 @@ def wait_until_ended(env: dict, job: str, timeout: float = 240) -> dict:
     raise AssertionError(f"job {job} did not end within {timeout} s: {info}")
 
 
-def wait_for_a_checkpoint(run_dir: Path, timeout: float = 180) -> None:
+def wait_for_a_checkpoint(env: dict, job: str, run_dir: Path, timeout: float = 180) -> None:
+    """Until the running job has written its first checkpoint. A job that ended first, or that still waits in the
+    queue at the deadline (a stray job holding a node), fails with its state, reason and the tail of its stderr."""
     deadline = time.time() + timeout
     while newest_checkpoint(run_dir / "checkpoints", warn=False) is None:
-        assert time.time() < deadline, f"no checkpoint in {run_dir} after {timeout} s"
-        time.sleep(0.1)
+        info = job_info(env, job)
+        if info.get("JobState") in ENDED or time.time() > deadline:
+            err = run_dir / "slurm" / f"job-{job}.err"
+            queue = subprocess.run(["squeue", "-h", "-o", "%A %j %T %R"], env=env, capture_output=True,
+                                   text=True).stdout
+            raise AssertionError(f"no checkpoint in {run_dir}: job {job} {info.get('JobState')} "
+                                 f"({info.get('Reason')}) after {timeout - deadline + time.time():.0f} s; queue:\n"
+                                 f"{queue}{err.read_text()[-3000:] if err.is_file() else ''}")
+        time.sleep(0.2)
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -156,7 +165,7 @@ def preempted(cluster, kjv_data, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp / "run"
     job = submit(cluster, "--", "--config", str(config_file(tmp, kjv_data, devices=1, nodes=2)), "--run_dir",
                  str(run_dir), "--trainer.wandb", "true")
-    wait_for_a_checkpoint(run_dir)
+    wait_for_a_checkpoint(cluster, job, run_dir)
     subprocess.run(["scancel", "--signal=USR1", job], env=cluster, check=True)
     return run_dir, job
 
@@ -245,7 +254,7 @@ def test_a_2_node_checkpoint_on_one_node_continues_or_is_refused_as_the_resume_m
 def test_a_cancelled_job_is_not_requeued(cluster, kjv_data, tmp_path):
     run_dir = tmp_path / "run"
     job = submit(cluster, "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(run_dir))
-    wait_for_a_checkpoint(run_dir)
+    wait_for_a_checkpoint(cluster, job, run_dir)
     subprocess.run(["scancel", job], env=cluster, check=True)
     wait_until_ended(cluster, job)
     time.sleep(3)  # a wrongly requeued job would be pending again by now
@@ -279,7 +288,7 @@ def test_a_term_to_every_task_checkpoints_exits_75_and_the_job_resumes(cluster, 
     run_dir = tmp_path / "run"
     config = config_file(tmp_path, kjv_data, max_steps=40, ckpt_every=10)
     job = submit(cluster, "--", "--config", str(config), "--run_dir", str(run_dir), "--data.num_workers", "1")
-    wait_for_a_checkpoint(run_dir)
+    wait_for_a_checkpoint(cluster, job, run_dir)
     subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
     info = wait_until_ended(cluster, job)
     err = (run_dir / "slurm" / f"job-{job}.err").read_text()
