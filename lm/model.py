@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from lm.context_parallel import ContextGroup, receive_state, send_state
+from lm.context_parallel import ContextGroup
 from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
 from lm.mixers.layers import residual_output
@@ -122,23 +122,19 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden)
 
     def forward(self, x, state=None, reset=None, context: ContextGroup | None = None, recompute: bool = False):
-        """(x after the block, the mixer's state). With `context` (context parallelism) the state comes from the
-        previous rank's piece and goes on to the next (lm.context_parallel) in place of being returned. The exchange
-        is inside the block, so that FSDP's gathers of its weights (before its forward and its backward) come in the
-        same order on every rank and never wait on a rank that waits for a state. `recompute`: keep only the input
-        and run again in the backward pass (activation checkpointing), without the exchange, which happens once."""
-        if context is not None:
-            x, state = receive_state(x, context)
+        """(x after the block, the mixer's state). With `context` (context parallelism) x is this rank's piece of
+        each window, and the mixer exchanges what it needs with the group (lm.context_parallel); no state is
+        returned. `recompute`: keep only the input and run again in the backward pass (activation checkpointing),
+        the exchange included, which every rank of the group recomputes in the same order."""
         if recompute:
-            x, state = torch.utils.checkpoint.checkpoint(self.mix, x, state, reset, use_reentrant=False)
-        else:
-            x, state = self.mix(x, state, reset)
-        if context is not None:  # the state goes on to the next rank, and is not returned (nothing continues it here)
-            return send_state(x, state, context), None
-        return x, state
+            return torch.utils.checkpoint.checkpoint(self.mix, x, state, reset, context, use_reentrant=False)
+        return self.mix(x, state, reset, context)
 
-    def mix(self, x, state=None, reset=None):
-        y, state = self.mixer(self.mixer_norm(x), state, reset)
+    def mix(self, x, state=None, reset=None, context: ContextGroup | None = None):
+        if context is None:
+            y, state = self.mixer(self.mixer_norm(x), state, reset)
+        else:
+            y, state = self.mixer.mix_in_context(self.mixer_norm(x), reset, context), None
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
 

@@ -21,17 +21,20 @@ OPTIONS = {"attention": {"n_kv_heads": 1}, "swa": {"window": 5}, "hawk": {"chunk
            "gla": {"chunk_size": 8, "sub_chunk": 4, "conv_size": 4}, "mlstm": {"conv_size": 4, "chunk_size": 4},
            "mamba2": {"chunk_size": 4}, "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4},
            "mesa": {"cg_steps": 30}}
-MODELS = [*sorted(MIXERS), "hawk,mesa", "mesa,swa"]
+MODELS = [*sorted(MIXERS), "hawk,mesa", "mesa,swa", "mesa,swa recomputed"]  # the last with activation checkpointing
 
 
-def build(name: str) -> LanguageModel:
+def build(model: str) -> LanguageModel:
     torch.manual_seed(0)
+    name, recomputed = model.removesuffix(" recomputed"), model.endswith(" recomputed")
     pattern = name if "," in name else None
     names = name.split(",")
     cfg = LMConfig(vocab_size=40, d_model=16, n_layers=2 * len(names), n_heads=2, head_dim=8, mixer=names[0],
                    layer_pattern=pattern, mixer_options={n: OPTIONS.get(n, {}) for n in names}, max_seq_len=T,
                    document_separator=SEPARATOR)
-    return LanguageModel(cfg).double()
+    model = LanguageModel(cfg).double()
+    model.activation_checkpointing = recomputed  # each block run again in the backward, its exchange included
+    return model
 
 
 def windows() -> torch.Tensor:

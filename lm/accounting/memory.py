@@ -72,18 +72,20 @@ def state_bytes(params: int, strategy: str, world_size: int, precision: str) -> 
 _saved: dict[tuple, int] = {}  # counting runs a block: once per shape
 
 
-def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool, before: int = 0) -> int:
+def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool, before: int = 0, exchange: bool = False) -> int:
     """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted),
-    continuing from the state of `before` earlier tokens (a context-parallel rank's piece)."""
+    continuing from the state of `before` earlier tokens (a context-parallel rank's piece). `exchange`: with what a
+    recurrent mixer's exchange of transfer maps keeps besides (its piece run from the zero state)."""
+    exchange = exchange and MIXERS[mixer].carried is not None
     key = (mixer, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_hidden, repr(cfg.mixer_options.get(mixer)),
-           seq_len, bf16, before)
+           seq_len, bf16, before, exchange)
     if key not in _saved:
         _saved[key] = count_saved_bytes(replace(cfg, n_layers=1, mixer=mixer, layer_pattern=None), seq_len, bf16,
-                                        before)
+                                        before, exchange)
     return _saved[key]
 
 
-def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0) -> int:
+def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0, exchange: bool = False) -> int:
     torch.manual_seed(0)
     block = Block(cfg, 0, cfg.mixer)
     state = None
@@ -102,9 +104,13 @@ def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0) 
         return t
 
     x = torch.randn(1, seq_len, cfg.d_model, requires_grad=True)
+    normed = []
+    block.mixer_norm.register_forward_hook(lambda module, args, out: normed.append(out))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         block(x, state)
+        if exchange:  # as lm.context_parallel.mix_in_parallel runs it, on the same normed input
+            torch.utils.checkpoint.checkpoint(block.mixer.piece_transfer, normed[0], {}, None, use_reentrant=False)
     return sum(seen.values())
 
 
@@ -121,11 +127,12 @@ def preceding_bytes_per_token(cfg: LMConfig, mixer: str, bf16: bool, piece: int)
     return max(0.0, growth[64] + per_query * (piece - 64))
 
 
-def activation_bytes(cfg: LMConfig, mixer: str, tokens: int, seq_len: int, bf16: bool) -> float:
+def activation_bytes(cfg: LMConfig, mixer: str, tokens: int, seq_len: int, bf16: bool, exchange: bool = False) -> float:
     """Bytes kept by one block of `mixer` for micro-batch tokens in sequences of seq_len: a + b T per sequence from
-    two counted lengths (whole chunks of 64, where the chunked ops keep the same layout)."""
+    two counted lengths (whole chunks of 64, where the chunked ops keep the same layout). `exchange`: as in
+    saved_bytes."""
     short, long = 128, 256
-    a_short, a_long = saved_bytes(cfg, mixer, short, bf16), saved_bytes(cfg, mixer, long, bf16)
+    a_short, a_long = (saved_bytes(cfg, mixer, n, bf16, exchange=exchange) for n in (short, long))
     per_token = (a_long - a_short) / (long - short)
     per_sequence = a_short - per_token * short
     return tokens / seq_len * per_sequence + tokens * per_token
@@ -143,8 +150,9 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
                 precision: str = "bf16-mixed", activation_checkpointing: bool = False,
                 context_parallel: int = 1) -> MemoryPlan:
     """The per-GPU memory of a training step of micro_batch sequences of seq_len (see the module docstring), each
-    split over context_parallel ranks (lm.context_parallel): a rank keeps the activations of its piece, and the last
-    rank also what attention keeps of the pieces before it."""
+    split over context_parallel ranks (lm.context_parallel): a rank keeps the activations of its piece (a recurrent
+    mixer also the input of its exchange's run from the zero state, recomputed in the backward), and the last rank
+    also what attention keeps of the pieces before it."""
     bf16 = precision == "bf16-mixed"
     act = 2 if bf16 else 4  # bytes of an activation
     params = param_count(cfg)
@@ -152,7 +160,7 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
     piece = seq_len // context_parallel
     tokens = micro_batch * piece
     before = micro_batch * (seq_len - piece)  # the last rank's earlier tokens
-    per_block = [activation_bytes(cfg, mixer, tokens, piece, bf16) +
+    per_block = [activation_bytes(cfg, mixer, tokens, piece, bf16, exchange=context_parallel > 1) +
                  (before * preceding_bytes_per_token(cfg, mixer, bf16, piece) if before else 0.0)
                  for mixer in cfg.layer_mixers()]
     if activation_checkpointing:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.context_parallel import attend_in_parallel
 from lm.mixers.flex_masks import attention_block_mask, flex_attend
 from lm.mixers.layers import decay_group, residual_output, steps_since_reset
 from lm.mixers.protocol import Mixer, MixerOptionError, register
@@ -138,6 +139,11 @@ class Attention(Mixer):
         return mask
 
     def forward(self, x: torch.Tensor, state: tuple | None = None, reset: torch.Tensor | None = None):
+        return self.attend(*self.project(x, state, reset), state)
+
+    def project(self, x: torch.Tensor, state: tuple | None, reset: torch.Tensor | None):
+        """(q, k, v [B, heads, T, head_dim], rotated at their positions; seen; starts [B, T] or None, each query's
+        document start; the start carried on) for a call that follows `state`, of which only (seen, start) is read."""
         B, T, _ = x.shape
         seen, start = (0, None) if state is None else state[2:]
         positions = torch.arange(seen, seen + T, device=x.device)
@@ -156,21 +162,33 @@ class Attention(Mixer):
         cos, sin = rotary_tables(rope_positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
+        return q, k, v, seen, starts, start
+
+    def attend(self, q, k, v, seen: int, starts: torch.Tensor | None, start, state: tuple | None):
+        """The output and new state of a call from `project`'s results, after the keys and values of `state`."""
+        B, _, T, _ = q.shape
         if state is not None:
             k = torch.cat([state[0], k], dim=2)
             v = torch.cat([state[1], v], dim=2)
         cached, gqa = k.shape[2] - T, self.n_kv_heads != self.n_heads
-        if self.kernel(x.device, T, seen, starts) == "flex":
+        if self.kernel(q.device, T, seen, starts) == "flex":
             document_start = None if starts is None else starts - (seen - cached)  # as indices into k
-            block_mask = attention_block_mask(T, cached, self.window, document_start, x.device)
+            block_mask = attention_block_mask(T, cached, self.window, document_start, q.device)
             y = flex_attend(q, k, v, block_mask, enable_gqa=gqa, window=self.window, documents=starts is not None)
-        elif cached and T > 1 and starts is None and self.window is None and (x.is_cuda or torch.is_grad_enabled()):
+        elif cached and T > 1 and starts is None and self.window is None and (q.is_cuda or torch.is_grad_enabled()):
             y = causal_after_cache(q, k, v, gqa)  # a piece after the cache in training (context parallelism)
         else:
-            mask = self.allowed(T, seen, cached, x.device, starts)
+            mask = self.allowed(T, seen, cached, q.device, starts)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.window is not None:  # the next token sees the last window - 1 of these
-            drop = max(0, k.shape[2] - (self.window - 1))
-            k, v = k[:, :, drop:], v[:, :, drop:]
+            k, v = self.last_window(k), self.last_window(v)
         return self.out_proj(y), (k, v, seen + T, start)
+
+    def last_window(self, keys: torch.Tensor) -> torch.Tensor:
+        """The last window - 1 of keys (or values) [B, heads, T, head_dim]: what the next token can see of them."""
+        return keys[:, :, max(0, keys.shape[2] - (self.window - 1)):]
+
+    def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
+        """Keys and values gathered over the context group (lm.context_parallel.attend_in_parallel)."""
+        return attend_in_parallel(self, x, reset, group)

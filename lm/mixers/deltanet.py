@@ -12,6 +12,7 @@ from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import delta_rule, delta_rule_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import delta_rule_op_flops, delta_rule_op_train_flops, padding_factor
+from lm.ops.state_transfer import carry_delta_rule, delta_rule_transfer
 
 
 @register("deltanet")
@@ -77,9 +78,9 @@ class DeltaNet(Mixer):
         dtype = compute_dtype(x)
         return -torch.exp(self.A_log.to(dtype)) * F.softplus(self.a_proj(x).to(dtype) + self.dt_bias.to(dtype))
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """(q, k, v, beta) for the op, and the convs' new states (a dict)."""
         B, T, _ = x.shape
-        state = state or {}
         q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"), reset)
         k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"), reset)
         v, v_state = self.v_conv(self.v_proj(x), state.get("v_conv"), reset)
@@ -90,14 +91,28 @@ class DeltaNet(Mixer):
             q, k = F.normalize(q, dim=-1).to(q.dtype), F.normalize(k, dim=-1).to(k.dtype)
         v = v.view(B, T, self.n_heads, self.value_dim)
         beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x)))
+        return q, k, v, beta, {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state}
+
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        state = state or {}
+        q, k, v, beta, new_state = self.op_inputs(x, state, reset)
         recurrent = T == 1 and "memory" in state
         op = delta_rule_recurrent if recurrent else delta_rule
         kwargs = {} if recurrent else {"chunk_size": self.chunk_size, "backend": self.backend}
-        o, memory = op(q, k, v, beta, self.log_alpha(x), self.key_dim ** -0.5, initial_state=state.get("memory"),
-                       reset=reset, **kwargs)
+        o, new_state["memory"] = op(q, k, v, beta, self.log_alpha(x), self.key_dim ** -0.5,
+                                    initial_state=state.get("memory"), reset=reset, **kwargs)
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
-        new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
         return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    carried = "memory"
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        q, k, v, beta, _ = self.op_inputs(x, state, reset)
+        return delta_rule_transfer(q, k, v, beta, self.log_alpha(x), self.key_dim ** -0.5, reset=reset,
+                                   chunk_size=self.chunk_size, backend=self.backend)
+
+    carry = staticmethod(carry_delta_rule)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

@@ -12,6 +12,7 @@ from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import linear_attention, linear_attention_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import gla_op_flops, gla_op_train_flops, padding_factor
+from lm.ops.state_transfer import carry_decayed, piece_log_decay
 
 
 @register("gla")
@@ -75,26 +76,42 @@ class GLA(Mixer):
         logits = self.decay_up(self.decay_down(x)).to(compute_dtype(x))
         return (F.logsigmoid(logits) / self.temperature).view(B, T, self.n_heads, self.key_dim)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """(q, k, v, log decay) for the op, and the convs' new states (a dict, empty without convs)."""
         B, T, _ = x.shape
-        state, new_state = state or {}, {}
+        tails = {}
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.convs:
-            q, new_state["q_conv"] = self.convs["q_conv"](q, state.get("q_conv"), reset)
-            k, new_state["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"), reset)
-            v, new_state["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"), reset)
+            q, tails["q_conv"] = self.convs["q_conv"](q, state.get("q_conv"), reset)
+            k, tails["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"), reset)
+            v, tails["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
-        v = v.view(B, T, self.n_heads, self.value_dim)
+        return q, k, v.view(B, T, self.n_heads, self.value_dim), self.log_decay(x), tails
+
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        state = state or {}
+        q, k, v, log_decay, new_state = self.op_inputs(x, state, reset)
         scale, memory = self.key_dim ** -0.5, state.get("memory")
         if T == 1 and memory is not None:
-            o, new_state["memory"] = linear_attention_recurrent(q, k, v, self.log_decay(x), None, scale,
-                                                                initial_state=memory, reset=reset)
+            o, new_state["memory"] = linear_attention_recurrent(q, k, v, log_decay, None, scale, initial_state=memory,
+                                                                reset=reset)
         else:
-            o, new_state["memory"] = linear_attention(q, k, v, self.log_decay(x), None, scale, initial_state=memory,
+            o, new_state["memory"] = linear_attention(q, k, v, log_decay, None, scale, initial_state=memory,
                                                       reset=reset, chunk_size=self.chunk_size,
                                                       sub_chunk=self.sub_chunk, backend=self.backend)
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
         return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    carried = "memory"
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        q, k, v, log_decay, _ = self.op_inputs(x, state, reset)
+        _, final = linear_attention(q, k, v, log_decay, None, self.key_dim ** -0.5, reset=reset,
+                                    chunk_size=self.chunk_size, sub_chunk=self.sub_chunk, backend=self.backend)
+        return final, piece_log_decay(log_decay, reset)
+
+    carry = staticmethod(carry_decayed)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

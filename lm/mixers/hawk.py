@@ -10,6 +10,7 @@ from lm.mixers.layers import ShortConv, no_weight_decay, residual_output
 from lm.mixers.protocol import Mixer, OpCall, register
 from lm.ops import diagonal_scan, diagonal_scan_recurrent
 from lm.ops.common import compute_dtype
+from lm.ops.state_transfer import carry_decayed, piece_log_decay
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -113,6 +114,16 @@ class Hawk(Mixer):
                                          chunk_size=self.chunk_size, backend=self.backend)
         y = F.gelu(self.gate_proj(x), approximate="tanh") * h.to(x.dtype)
         return self.out_proj(y), {"conv": conv_state, "rnn": rnn_state}
+
+    carried = "rnn"
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        u, _ = self.conv(self.x_proj(x), state.get("conv"), reset)
+        xs, log_a = self.scan_inputs(u)
+        _, final = diagonal_scan(xs, log_a, reset=reset, chunk_size=self.chunk_size, backend=self.backend)
+        return final, piece_log_decay(log_a, reset)
+
+    carry = staticmethod(carry_decayed)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

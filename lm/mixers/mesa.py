@@ -15,6 +15,7 @@ from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mesa, mesa_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import mesa_cg_step_flops, mesa_op_flops, mesa_op_train_flops, padding_factor
+from lm.ops.state_transfer import carry_decayed, piece_log_decay
 
 GammaInit = typing.Literal["narrow", "zero", "spread"]
 # Plans only (`expected_cg_steps`): the factor by which CG's relative residual is taken to fall per step. On the
@@ -144,9 +145,9 @@ class Mesa(Mixer):
         cap = self.options.gamma_cap
         return log_gamma if cap is None else log_gamma + torch.log1p(-(1 - cap) * beta**2)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """(q, k, v, log gamma, beta) for the op, and the convs' new states (a dict)."""
         B, T, _ = x.shape
-        state = state or {}
         q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"), reset)
         k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"), reset)
         v, v_state = self.v_proj(x), None
@@ -156,7 +157,12 @@ class Mesa(Mixer):
         if self.options.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         v = v.view(B, T, self.n_heads, self.value_dim)
-        log_gamma, beta = self.gates(x)
+        return q, k, v, *self.gates(x), {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state}
+
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        state = state or {}
+        q, k, v, log_gamma, beta, new_state = self.op_inputs(x, state, reset)
         opt = self.options
         steps = opt.cg_steps if self.training or opt.cg_steps_eval is None else opt.cg_steps_eval
         lam = self.lam().to(compute_dtype(x))
@@ -174,8 +180,19 @@ class Mesa(Mixer):
                         beta_mean=beta.mean())
         self._metrics = info  # the op's dict: a backward through this call adds the adjoint solve's entries to it
         o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, -1)) if self.g_proj is not None else self.norm(o)
-        new_state = {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state, "memory": memory}
+        new_state["memory"] = memory
         return self.out_proj(o.reshape(B, T, -1)), new_state
+
+    carried = "memory"
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """G and H from zero need no solve: the op with 0 CG steps (gated linear attention) ends with them."""
+        q, k, v, log_gamma, beta, _ = self.op_inputs(x, state, reset)
+        _, final = mesa(q, k, v, log_gamma, beta, self.lam().to(compute_dtype(x)), cg_steps=0, reset=reset,
+                        chunk_size=self.options.chunk_size)
+        return final, piece_log_decay(log_gamma, reset)
+
+    carry = staticmethod(carry_decayed)
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last call's statistics as 0-dim tensors (nothing is synced to the host here): the CG solve

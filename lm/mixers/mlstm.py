@@ -11,6 +11,7 @@ from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
 from lm.ops import mlstm, mlstm_recurrent
 from lm.ops.common import compute_dtype, effective_chunk_size
 from lm.ops.flops import mlstm_op_flops, padding_factor
+from lm.ops.state_transfer import carry_mlstm, mlstm_transfer
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -78,18 +79,23 @@ class MLSTM(Mixer):
             self.igate.bias.fill_(-10.0)
             self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """(q, k, v, input and forget gate pre-activations) for the cell, and the conv's new state (a dict)."""
         B, T, _ = x.shape
-        H = self.n_heads
-        state, new_state = state or {}, {}
-        qk_in = x
+        H, tails, qk_in = self.n_heads, {}, x
         if self.conv is not None:
-            qk_in, new_state["conv"] = self.conv(x, state.get("conv"), reset)
+            qk_in, tails["conv"] = self.conv(x, state.get("conv"), reset)
         q = self.q_proj(qk_in).view(B, T, H, self.qk_head)
         k = self.k_proj(qk_in).view(B, T, H, self.qk_head)
         v = self.v_proj(x).view(B, T, H, self.v_head)
         i_pre = soft_cap(self.igate(x).to(compute_dtype(x)), self.gate_soft_cap)
         f_pre = soft_cap(self.fgate(x).to(compute_dtype(x)), self.gate_soft_cap)
+        return q, k, v, i_pre, f_pre, tails
+
+    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+        B, T, _ = x.shape
+        state = state or {}
+        q, k, v, i_pre, f_pre, new_state = self.op_inputs(x, state, reset)
         if T == 1 and "cell" in state:
             h, new_state["cell"] = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state["cell"],
                                                    reset=reset)
@@ -100,6 +106,16 @@ class MLSTM(Mixer):
             h = F.rms_norm(h, (self.v_head,), eps=1e-6)
         h = h.reshape(B, T, -1) * self.norm_weight
         return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
+
+    carried = "cell"
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        q, k, v, i_pre, f_pre, _ = self.op_inputs(x, state, reset)
+        _, final = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, reset=reset, chunk_size=self.chunk_size,
+                         backend=self.backend)
+        return final, mlstm_transfer(i_pre, f_pre, reset, final)
+
+    carry = staticmethod(carry_mlstm)
 
     @classmethod
     def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:

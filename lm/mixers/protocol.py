@@ -34,6 +34,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lm.context_parallel import mix_in_parallel
+from lm.mixers.layers import ShortConv
+
 MIXERS: dict[str, type["Mixer"]] = {}
 
 
@@ -185,6 +188,30 @@ class Mixer(nn.Module):
 
     def metrics(self) -> dict:
         return {}
+
+    # Context parallelism (lm/context_parallel.py): this rank's piece of each window, the pieces before it on the
+    # ranks before. A recurrent mixer names the state entry its recurrence carries (its other entries, the convs' last
+    # inputs, depend on a piece's inputs alone), and the ranks exchange each piece's transfer map
+    # (lm/ops/state_transfer.py). Attention overrides `mix_in_context` and gathers keys and values.
+    carried: str | None = None
+
+    def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
+        """The output for this rank's piece x of each window, whose earlier pieces the group's earlier ranks hold."""
+        return mix_in_parallel(self, x, reset, group)
+
+    def conv_tail_length(self) -> int:
+        """How many of a piece's last inputs its state's non-carried entries (the convs' last inputs) hold."""
+        return max((m.size - 1 for m in self.modules() if isinstance(m, ShortConv) and m.size), default=0)
+
+    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
+        """(the `carried` entry this piece ends with from a zero one, its transfer map), for the piece x entered with
+        `state`, which holds the other entries (the convs' tails from the piece before; empty on the first)."""
+        raise NotImplementedError
+
+    def carry(self, initial, transfer, final):
+        """The `carried` entry at a piece's end when it starts from `initial` (None: zero), from the piece's
+        transfer map and its end from zero (a mixer sets it to its op's `carry_*` of lm.ops.state_transfer)."""
+        raise NotImplementedError
 
     def bench_op(self, batch: int, T: int) -> OpCall | None:
         """The op's two forms and random positional inputs [B=batch, T, ...] in the ranges this mixer's forward feeds
