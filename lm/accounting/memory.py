@@ -109,7 +109,7 @@ def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0, 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         block(x, state)
-        if exchange:  # as lm.context_parallel.mix_in_parallel runs it, on the same normed input
+        if exchange:  # as lm.mixers.context.mix_in_parallel runs it, on the same normed input
             torch.utils.checkpoint.checkpoint(block.mixer.piece_transfer, normed[0], {}, None, use_reentrant=False)
     return sum(seen.values())
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.context_parallel import attend_in_parallel
+from lm.mixers.context import gather_pieces
 from lm.mixers.flex_masks import attention_block_mask, flex_attend
 from lm.mixers.layers import decay_group, residual_output, steps_since_reset
 from lm.mixers.protocol import Mixer, MixerOptionError, register
@@ -190,5 +190,23 @@ class Attention(Mixer):
         return keys[:, :, max(0, keys.shape[2] - (self.window - 1)):]
 
     def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
-        """Keys and values gathered over the context group (lm.context_parallel.attend_in_parallel)."""
-        return attend_in_parallel(self, x, reset, group)
+        """The output on this rank's piece x of each window (lm.mixers.context): its queries, keys and values at their
+        positions in the window (RoPE counts from rank i's first token, i x the piece; with documents, from the start
+        of the document the piece begins in, found from the gathered resets), then the earlier pieces' keys and
+        values gathered from their ranks (SWA keeps the last window - 1)."""
+        B, length, _ = x.shape
+        seen, start = group.index * length, None
+        if reset is not None:  # the document a piece begins in starts at the last reset before it (or at 0)
+            x, every = gather_pieces(x, reset.to(torch.uint8), group)  # (gloo gathers no bool)
+            before = torch.cat(every[:group.index] or [reset[:, :0]], dim=1).bool()
+            positions = torch.arange(before.shape[1], device=x.device)
+            start = torch.where(before, positions, 0).amax(1) if before.shape[1] else \
+                reset.new_zeros(B, dtype=torch.long)
+        q, k, v, _, starts, start_after = self.project(x, (None, None, seen, start), reset)
+        q, every = gather_pieces(q, (k, v), group)  # tied to q, which every rank's output needs
+        keys, values = (torch.cat([pair[i] for pair in every[:group.index]] or [t[:, :, :0]], dim=2)
+                        for i, t in ((0, k), (1, v)))
+        if self.window is not None:
+            keys, values = self.last_window(keys), self.last_window(values)
+        y, _ = self.attend(q, k, v, seen, starts, start_after, (keys, values, seen, start))
+        return y

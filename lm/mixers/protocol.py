@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lm.context_parallel import mix_in_parallel
+from lm.mixers.context import mix_in_parallel
 from lm.mixers.layers import ShortConv
 
 MIXERS: dict[str, type["Mixer"]] = {}
@@ -189,7 +189,7 @@ class Mixer(nn.Module):
     def metrics(self) -> dict:
         return {}
 
-    # Context parallelism (lm/context_parallel.py): this rank's piece of each window, the pieces before it on the
+    # Context parallelism (lm/mixers/context.py): this rank's piece of each window, the pieces before it on the
     # ranks before. A recurrent mixer names the state entry its recurrence carries (its other entries, the convs' last
     # inputs, depend on a piece's inputs alone), and the ranks exchange each piece's transfer map
     # (lm/ops/state_transfer.py). Attention overrides `mix_in_context` and gathers keys and values.

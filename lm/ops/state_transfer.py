@@ -1,7 +1,7 @@
 """Transfer maps: how the state a piece of a sequence ends with depends on the state it starts from.
 
 Every op's state is an affine function of its initial state: final = map(initial) + final_from_zero (mLSTM's up to
-its stabiliser, below). So the pieces of a sequence split over ranks (context parallelism, lm/context_parallel.py)
+its stabiliser, below). So the pieces of a sequence split over ranks (context parallelism, lm/mixers/context.py)
 can each run from the zero state at once, exchange (map, final_from_zero), and compose what each piece really starts
 from, without waiting for the piece before. A reset inside a piece clears the state, so its map is zero there.
 
