@@ -6,7 +6,6 @@ recurrences' exchange of transfer maps, attention's gathered keys and values, an
 in lm/mixers/context.py, which every mixer's `mix_in_context` uses.
 """
 
-
 from dataclasses import dataclass
 
 import torch

@@ -15,6 +15,10 @@ A mixer is one file holding one class, registered with one line (`@register("nam
                         (Mesa with cg_tol counts the CG steps its telemetry says ran)
     bench_op(batch, T)  its sequence op, chunkwise and recurrent, with inputs in the ranges its forward feeds them
                         (for `lm bench mixer`; mixers without a recurrent op, such as attention, have none)
+    mix_in_context(x, reset, group)
+                        its output on this rank's piece of a window under context parallelism: by default the
+                        exchange of transfer maps (lm/mixers/context.py), for which a recurrent mixer names its
+                        `carried` state entry and gives `piece_transfer` and `carry`; attention gathers keys and values
 
 and, as a class attribute, `paper_heads` (its heads at the paper's sizes, below). The class holds the model and its
 accounting only: what a probe, benchmark or demo needs per mixer (MQAR steps, demo learning rates, benchmark
