@@ -189,6 +189,7 @@ class Attention(Mixer):
         """The last window - 1 of keys (or values) [B, heads, T, head_dim]: what the next token can see of them."""
         return keys[:, :, max(0, keys.shape[2] - (self.window - 1)):]
 
+    @torch.compiler.disable  # eager under torch.compile, as lm.mixers.context.mix_in_parallel says why
     def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
         """The output on this rank's piece x of each window (lm.mixers.context): its queries, keys and values at their
         positions in the window (RoPE counts from rank i's first token, i x the piece; with documents, from the start

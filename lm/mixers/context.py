@@ -69,6 +69,9 @@ def gather_pieces(x: torch.Tensor, tree, group) -> tuple[torch.Tensor, list]:
     return x, trees
 
 
+# Eager under torch.compile (trainer.compile): the exchange branches on the rank's place in its group, so each rank
+# would trace another graph, and the compiled graphs' collectives did not meet (gloo: "collective mismatch").
+@torch.compiler.disable
 def mix_in_parallel(mixer, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
     """A recurrent mixer's output on this rank's piece x, entered with the state of the whole window before it,
     through an exchange of transfer maps (the module docstring).
