@@ -75,7 +75,7 @@ _saved: dict[tuple, int] = {}  # counting runs a block: once per shape
 def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool, before: int = 0, exchange: bool = False) -> int:
     """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted),
     continuing from the state of `before` earlier tokens (a context-parallel rank's piece). `exchange`: with what a
-    recurrent mixer's exchange of transfer maps keeps besides (its piece run from the zero state)."""
+    recurrent mixer's exchange of transfer maps keeps besides (the input of its recomputed run from the zero state)."""
     exchange = exchange and MIXERS[mixer].carried is not None
     key = (mixer, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_hidden, repr(cfg.mixer_options.get(mixer)),
            seq_len, bf16, before, exchange)

@@ -78,11 +78,11 @@ def mlstm_transfer(i_pre: torch.Tensor, f_pre: torch.Tensor, reset: torch.Tensor
     m = max(F + m_in, W) for the m_in it starts from, F the sum of log f and W = max_s (i_pre_s + sum_{u>s} log f_u)
     the largest write's log-weight at the end. In a row with a reset the piece ends as it does from zero whatever it
     starts from: F = -inf and W = m0 there. Both are detached, as every stabiliser of lm.ops.mlstm is."""
+    log_f = F.logsigmoid(f_pre.to(final_from_zero[2].dtype))
     with torch.no_grad():
-        log_f = F.logsigmoid(f_pre.to(final_from_zero[2].dtype))
         after = log_f.flip(1).cumsum(1).flip(1) - log_f  # sum_{u>s} log f_u: [B, T, H]
         floor = (i_pre.to(log_f.dtype) + after).amax(1)
-    total = piece_log_decay(F.logsigmoid(f_pre.to(log_f.dtype)), reset)
+    total = piece_log_decay(log_f, reset)
     if reset is not None:
         floor = torch.where(reset.any(1)[:, None], final_from_zero[2], floor)
     return total, floor
