@@ -1,9 +1,10 @@
 """`lm compare ladder` run here: a tiny ladder of two architectures on the bundled corpus (one worker, in this process).
 Its lr sweep, the lr its rule carries up (recomputed here from the runs' logged losses), the losses and compute the
 fit takes (read back from each run's logs and config), the report joined to `lm compare report`, and a rerun that
-trains nothing. The lr rule on numbers with a known answer; the planned GPU-hours against their arithmetic; bad
-ladder files end in one line, exit 2, with nothing written. The same ladder as a SLURM array with a preempted task is
-in tests/test_slurm.py; the fits themselves are in tests/test_scaling_fit.py."""
+trains nothing. The lr rule and its widening on numbers with a known answer; the planned GPU-hours against their
+arithmetic; the data a plan reads against the corpus; bad ladder files end in one line, exit 2, with nothing written.
+The same ladder as a SLURM array with a preempted task is in tests/test_slurm.py; the fits themselves are in
+tests/test_scaling_fit.py, and the verdicts, on synthetic ladders, in tests/test_ladder_verdicts.py."""
 
 import csv
 import json
@@ -137,6 +138,39 @@ def test_best_lr_is_the_vertex_of_the_parabola_in_log_lr():
     assert best_lr({1e-3: 3.5, 2e-3: 3.2, 4e-3: 3.0}) == (4e-3, "grid edge")
 
 
+def test_a_sweep_widens_beyond_the_end_where_its_best_lies():
+    """A best lr at an end of the lrs tried asks for the next one beyond it, by the step between the two lrs at that
+    end; a best between two others, or just below an lr that diverged, asks for none; nor does an end already widened
+    `widen` times beyond the first lrs."""
+    from lm.compare.lr_transfer import widening
+
+    first = [1e-3, 2e-3, 4e-3]
+    assert widening({1e-3: 3.0, 2e-3: 3.1, 4e-3: 3.3}, first, 3) == 5e-4
+    assert widening({1e-3: 3.3, 2e-3: 3.1, 4e-3: 3.0}, first, 3) == 8e-3
+    assert widening({1e-3: 3.3, 2e-3: 3.0, 4e-3: 3.1}, first, 3) is None
+    assert widening({1e-3: 3.3, 2e-3: 3.1, 4e-3: 3.0, 8e-3: math.inf}, first, 3) is None
+    assert widening({5e-4: 2.9, 1e-3: 3.0, 2e-3: 3.1, 4e-3: 3.3}, first, 1) is None
+    assert widening({5e-4: 2.9, 1e-3: 3.0, 2e-3: 3.1, 4e-3: 3.3}, first, 2) == 2.5e-4
+
+
+def test_a_plan_says_the_epochs_each_run_reads_and_what_the_target_needs(kjv_data, tmp_path, capsys):
+    """A run that would read more tokens than the corpus holds is refused (BAD); with repeat_data it is planned, and
+    the plan shows its epochs: its tokens over the corpus's training windows of seq_len; and the target's tokens at
+    the ladder's tokens per parameter against the corpus."""
+    from lm.data_prep.shards import load_manifest
+
+    path = write_ladder(tmp_path, kjv_data, tokens_per_param=20, repeat_data=True, target_compute=1e13)
+    ladder(str(path), dry_run=True)
+    out = capsys.readouterr().out
+    corpus = (load_manifest(kjv_data, verify=False)["splits"]["train"]["tokens"] - 1) // SEQ_LEN * SEQ_LEN
+    row = next(line.split(" | ") for line in out.splitlines() if line.startswith("| attention | 330k |"))
+    tokens = round(20 * 3.3e5 / (BATCH * SEQ_LEN)) * BATCH * SEQ_LEN  # the steps 20 tokens per parameter buy
+    assert float(row[-1].rstrip(" |")) == pytest.approx(tokens / corpus, rel=1e-3) and tokens > corpus
+    assert "repeat_data is set, so a run may read it more than once" in out
+    assert "The target, 1.000e13 FLOPs at 20 tokens per parameter, needs about" in out
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_last_step_is_validated():
     from lm.compare.ladder_plan import aligned_steps
 
@@ -150,6 +184,15 @@ def test_the_rule_recovers_a_power_law():
     points = [(size, 0.5 * size ** -0.7) for size in (64, 96, 128)]
     rule = fit_rule(points, "width", None)
     assert rule.slope == pytest.approx(-0.7) and rule.lr(512) == pytest.approx(0.5 * 512 ** -0.7)
+    assert rule.slope_se == pytest.approx(0.0, abs=1e-9)
+    # Off the line by a factor exp(+-0.1) at the ends and exp(-+0.2) inside: the slope's standard error is that of
+    # least squares, sqrt(residual variance / sum of (x - mean)^2).
+    x = np.log([64, 96, 128, 192])
+    bumped = [(s, 0.5 * s ** -0.7 * math.exp(e)) for s, e in zip((64, 96, 128, 192), (0.1, -0.2, 0.2, -0.1))]
+    slope, intercept = np.polyfit(x, np.log([lr for _, lr in bumped]), 1)
+    residual = np.log([lr for _, lr in bumped]) - intercept - slope * x
+    se = math.sqrt(np.sum(residual ** 2) / 2 / np.sum((x - x.mean()) ** 2))
+    assert fit_rule(bumped, "width", None).slope_se == pytest.approx(se, rel=1e-9)
     fixed = fit_rule(points[:1], "width", -1.0)
     assert fixed.slope == -1.0 and fixed.lr(64) == pytest.approx(points[0][1])
     with pytest.raises(UserError, match="needs swept rungs of two sizes"):
@@ -206,12 +249,28 @@ BAD = {
     "a rung that is no number": ({"rungs": ["big"]}, "rungs must be a number"),
     "an lr rule against nothing": ({"lr": {"grid": GRID, "against": "depth"}}, "lr.against must be width or params"),
     "one swept rung and no slope": ({"lr": {"grid": GRID, "sweep_rungs": 1}}, "one swept rung cannot fit"),
-    "swept rungs of one width": ({"rungs": [1.2e5, 1.5e5, 2.2e5], "lr": {"grid": GRID, "against": "width"}},
+    "swept rungs of one width": ({"rungs": [1.2e5, 1.5e5, 2.2e5], "lr": {"grid": GRID, "sweep_rungs": 2,
+                                                                     "against": "width"}},
                                  "swept rungs share one d_model (64)"),
     "a probe that is no command": ({"probes": [["perplexity"]]}, "probe 'perplexity' is no lm eval command"),
     "a probe option it lacks": ({"probes": [["ppl", "--windows", "2"]]}, "probe ppl --windows 2"),
     "a vocabulary the base lacks": ({"prepare": {"vocab_size": 1024}}, "prepare.vocab_size 1024 differs"),
     "an unknown architecture": ({"archs": ["attention", "transformer"]}, "unknown architecture 'transformer'"),
+    "both an lr grid and a start": ({"lr": {"grid": GRID, "start": 1e-3}}, "lr needs either start"),
+    "two lr factors": ({"lr": {"start": 1e-3, "factors": [1, 2]}}, "lr.factors needs at least 3"),
+    "a start for an arch not in archs": ({"lr": {"start": {"attention": 1e-3, "mamba2": 1e-3}}},
+                                         "lr.start must give one lr for each architecture of archs: mamba2 not in "
+                                         "archs; none for hawk"),
+    "a chosen value and no choice": ({"archs": ["mesa@cg_steps=chosen"]}, "takes a value chosen by measurement"),
+    "a choice no arch takes": ({"choose": {"arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30,
+                                           "rung": 1e5, "lr": 1e-2, "seeds": [0, 1]}}, "no architecture takes it"),
+    "a choice of an option the arch lacks": ({"archs": ["mesa@cg_steps=chosen"], "choose": {
+        "arch": "mesa", "option": "cg_step", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2,
+        "seeds": [0, 1]}}, "choose: architecture 'mesa@cg_step=2': 'cg_step=2' is not OPTION=VALUE"),
+    "a choice from one seed": ({"archs": ["mesa@cg_steps=chosen"], "choose": {
+        "arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2}},
+        "choose.seeds must list at least 2"),
+    "a run that reads the corpus twice": ({"tokens_per_param": 20}, "epochs of the corpus's"),
 }
 
 
@@ -297,58 +356,8 @@ def test_an_iso_flop_ladder_trains_every_size_at_every_budget(kjv_data, tmp_path
         assert point["run"] == min(at, key=at.get)  # L(C) takes each budget's best size
     assert len(fits["parabolas"]["attention"]) == 2
     assert (tmp_path / "out" / "report" / "isoflop.png").is_file()
-    assert "## Iso-FLOP parabolas" in (tmp_path / "out" / "report" / "ladder.md").read_text()
-
-
-def test_crossover_verdicts_follow_the_share_of_replicates_that_cross():
-    """Two laws that cross at C = 1e12 (1.6 + 100 C^-0.2 and 1.5 + 4000 C^-0.33: equal there by construction), with
-    replicates spread around them: tightly, they are reported crossing near 1e12; over a range that ends before
-    1e12, not crossing, with the one lower there named; with replicates spread wide, the data cannot tell."""
-    from lm.compare.ladder_config import LrSweep
-    from lm.compare.ladder_report import crossover_rows
-
-    e2, alpha2 = 1.5, 0.33
-    a2 = (1.6 + 100 * 1e12 ** -0.2 - e2) * 1e12 ** alpha2  # makes L2(1e12) = L1(1e12)
-    first = np.array([math.log(1.6), math.log(100.0), 0.2])
-    second = np.array([math.log(e2), math.log(a2), alpha2])
-    spec = type("Spec", (), {"level": 0.9, "lr": LrSweep((1e-3,)), "seeds": (0, 1), "rungs": (1e5, 2e5, 4e5)})()
-    rng = np.random.default_rng(0)
-
-    def fits(spread: float, target: float) -> dict:
-        out = {}
-        for name, theta in (("one", first), ("two", second)):
-            thetas = theta + spread * rng.standard_normal((400, 3)) * np.array([0.01, 0.1, 0.01])
-            at = np.exp(np.logaddexp(thetas[:, 0], thetas[:, 1] - thetas[:, 2] * math.log(target)))
-            out[name] = {"theta": theta.tolist(), "thetas": thetas, "target_samples": at}
-        return out
-
-    ((pair, verdict, share, lower),) = crossover_rows(fits(0.1, 1e14), spec, 1e9, 1e14)
-    assert pair == "one / two" and verdict.startswith("cross at 1.000e12 FLOPs [") and share == "100%"
-    low, high = (float(x) for x in verdict.split("[")[1].rstrip("]").split(", "))
-    assert low < 1e12 < high < 1e13
-    assert lower.startswith("two")  # the steeper curve is lower past the crossing
-    ((_, verdict, share, lower),) = crossover_rows(fits(0.1, 1e11), spec, 1e9, 1e11)
-    assert verdict == f"no crossover up to the target: one lower there in {lower.split('(')[1][:-1]} of replicates"
-    assert share == "0%" and lower.startswith("one")
-    ((_, verdict, _, _),) = crossover_rows(fits(30.0, 1e14), spec, 1e9, 1e14)
-    assert verdict.startswith("the data cannot tell; ")
-
-
-def test_an_undecided_pair_says_how_many_seeds_would_decide():
-    """The log-loss gap at the target over the replicates, mean 0.01 and spread 0.02: one is lower in 90% of them
-    once the spread shrinks by 1.2816 x 0.02 / 0.01, i.e. with (2.563)^2 = 6.57x the runs: 14 seeds for 2, or 20
-    rungs for 3. A gap of 0 is never decided."""
-    from lm.compare.ladder_report import more_seeds_needed
-
-    spec = type("Spec", (), {"level": 0.9, "seeds": (0, 1), "rungs": (1e5, 2e5, 4e5)})()
-    gap = np.random.default_rng(0).standard_normal(200_000)
-    gap = 0.01 + 0.02 * (gap - gap.mean()) / gap.std()
-    said = more_seeds_needed(np.exp(gap), np.ones_like(gap), spec)
-    assert said.startswith("about 14 seeds per rung (or 20 rungs at 2 seeds)"), said
-    assert "more than 100x" in more_seeds_needed(np.exp(gap - gap.mean()), np.ones_like(gap), spec)
-    # A gap already beyond the level at the target (mean 0.1, spread 0.02): no more seeds are asked for.
-    settled = more_seeds_needed(np.exp(gap + 0.09), np.ones_like(gap), spec)
-    assert settled.startswith("which is lower at the target is already settled"), settled
+    report = (tmp_path / "out" / "report" / "ladder.md").read_text()
+    assert "## Compute-optimal comparison (iso-FLOP parabolas)" in report
 
 
 def test_a_run_that_diverges_ends_as_diverged_with_an_infinite_loss(kjv_data, tmp_path, monkeypatch):

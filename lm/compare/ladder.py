@@ -1,15 +1,18 @@
-"""`lm compare ladder LADDER.yaml --out DIR`: architectures compared by fitted scaling curves, not by single
-runs. The ladder file (lm/compare/ladder_config.py, configs/ladder/) names the architectures, the rungs (sizes matched
-by `lm compare plan`), the budget of each rung (tokens per parameter, or total FLOPs for iso-FLOP curves), the lr
-grid swept on the smallest rungs, the seeds and the probes.
+"""`lm compare ladder LADDER.yaml --out DIR`: architectures compared by what their runs show at matched compute, and by
+fitted scaling curves judged on held-out rungs. The ladder file (lm/compare/ladder_config.py, configs/ladder/) names
+the architectures, the rungs (sizes matched by `lm compare plan`), the budget of each rung (tokens per parameter, or
+total FLOPs for iso-FLOP curves), the lr sweep, the seeds and the probes.
 
-It runs in stages, each skipping what an earlier call finished, so a rerun resumes:
-1. the lr sweep: every lr of the grid on the smallest rungs, at the first seed;
-2. every rung at every seed: the swept rungs at their best grid lr, the others at the lr the rule fitted to the swept
-   rungs' best lrs gives (lm/compare/lr_transfer.py);
+Before anything runs it prints the plan: the rungs, the tokens each reads against the corpus (a run that would read
+it more than once is refused unless the file sets repeat_data), and what the target compute would need. Then it runs
+in stages, each skipping what an earlier call finished, so a rerun resumes:
+0. with `choose:`, an option chosen by measurement (Mesa's CG steps): each value at one rung and several seeds;
+1. the lr sweep, rung by rung at the first seed: each rung sweeps the factors around the best lr of the rung below
+   (lm/compare/lr_transfer.py), and a best lr at an end widens the sweep (or `lr.grid`: one fixed grid);
+2. every rung at every seed, at its best lr (a rung not swept: the rule fitted over the swept ones);
 3. the probes (`lm eval` commands) on each finished run of stage 2;
-4. the fits and the report (lm/compare/ladder_report.py): L(C) = E + A C^-alpha per architecture with bootstrap
-   intervals, the prediction at the target compute, the crossovers, and L(N, D) where the budgets allow.
+4. the report (lm/compare/ladder_report.py): verdicts at measured compute, fits judged by prediction, and curves read
+   beyond the runs only as labelled extrapolations.
 
 Each run is an ordinary `lm train` run (OUT/configs/NAME.yaml, OUT/runs/NAME). `--where local` trains them in worker
 processes here; `--where slurm` submits each stage's unfinished runs as one array job (`lm slurm submit --array`:
@@ -19,20 +22,26 @@ requeued on preemption, resumed from its checkpoint) and, with `--wait true`, wa
 
 import math
 import os
+import shutil
+import statistics
 import sys
+import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
 import yaml
 
-from lm.compare.ladder_config import LadderSpec, load_ladder
+from lm.compare.ladder_config import LadderSpec, load_ladder, resolved
 from lm.compare.ladder_plan import (
+    Corpus,
     Run,
     Rung,
+    check_data,
     check_rule_can_fit,
+    corpus_of,
     gpu_hours_table,
     plan_rungs,
     plan_table,
@@ -40,11 +49,11 @@ from lm.compare.ladder_plan import (
     sweep_runs,
     swept,
 )
-from lm.compare.lr_transfer import LrRule, best_lr, fit_rule
+from lm.compare.lr_transfer import LrRule, best_lr, fit_rule, widening
 from lm.compare.plan import load_base, run_config, sequences_per_step
 from lm.errors import Diverged, UserError
 from lm.output import write_json
-from lm.workers import run_jobs
+from lm.workers import Stopped, run_jobs
 
 POLL_SECONDS = 2.0
 DIVERGED = "diverged"  # a file in a run directory whose training diverged: it ended, with no final loss
@@ -60,38 +69,117 @@ def final_loss(run_dir: Path) -> float:
     return math.inf if loss is None or not math.isfinite(loss) else loss
 
 
-def lr_rules(spec: LadderSpec, rungs: dict[str, list[Rung]], out: Path) -> dict[str, dict]:
-    """Per architecture: each swept rung's losses by lr, its best lr (vertex) and best grid lr, and the rule."""
-    rules = {}
-    for arch, arch_rungs in rungs.items():
-        points, sweeps = [], []
-        for rung in swept(spec, arch_rungs):
-            losses = {lr: final_loss(run_dir(out, Run(rung, lr, spec.seeds[0]))) for lr in spec.lr.grid}
-            vertex, how = best_lr(losses)
-            grid_best = min(losses, key=lambda lr: losses[lr])
-            points.append((rung.size(spec.lr.against), vertex))
-            sweeps.append({"rung": rung.label, "size": rung.size(spec.lr.against), "losses": losses,
-                           "best_lr": vertex, "found_by": how, "best_grid_lr": grid_best})
-        carried = len(arch_rungs) > len(sweeps)  # a rung left to carry the lr up to
-        rule = fit_rule(points, spec.lr.against, spec.lr.slope) if carried else None
-        rules[arch] = {"rule": rule, "sweeps": sweeps}
-        edges = [s["rung"] for s in sweeps if s["found_by"] in ("grid edge", "grid minimum")]
+def sweep_record(spec: LadderSpec, rung: Rung, losses: dict[float, float], first: list[float]) -> dict:
+    """One swept rung: its losses by lr at the first seed, its best lr (the vertex) and how it was found, the best lr
+    it trained (its seeds' lr), and the lrs it started from (before any widening)."""
+    vertex, how = best_lr(losses)
+    return {"rung": rung.label, "target": rung.target, "size": rung.size(spec.lr.against),
+            "losses": dict(sorted(losses.items())), "best_lr": vertex, "found_by": how,
+            "best_grid_lr": min(losses, key=lambda lr: losses[lr]), "first": sorted(first)}
+
+
+def centred(spec: LadderSpec, name: str, rung: Rung, below: list[dict]) -> list[float]:
+    """A rung's first lrs: the factors around lr.start (the smallest swept rung), else around the best lr of the rung
+    below, times (size ratio)^slope where the file fixes a slope."""
+    if below:
+        centre = below[-1]["best_lr"] * (rung.size(spec.lr.against) / below[-1]["size"]) ** (spec.lr.slope or 0.0)
+    else:
+        centre = spec.lr.start_of(name)
+    return sorted({rounded_lr(centre * factor) for factor in spec.lr.factors})
+
+
+def lr_sweeps(spec: LadderSpec, rungs: dict[str, list[Rung]], names: dict[str, str], out: Path,
+              stage) -> dict[str, list[dict]] | None:
+    """Each architecture's swept rungs (sweep_record), trained through `stage(runs, name)` (False: submitted, not
+    waited for: then None). `names`: label -> the architecture as the file writes it. With lr.grid, every swept rung
+    in one stage; else rung by rung, each widened where its best lr lies at an end, up to lr.widen lrs a side."""
+    seed = spec.seeds[0]
+    sweeps = {arch: [] for arch in rungs}
+
+    def losses(rung: Rung, lrs: list[float]) -> dict[float, float]:
+        return {lr: final_loss(run_dir(out, Run(rung, lr, seed))) for lr in lrs}
+
+    if spec.lr.grid is not None:
+        if not stage(sweep_runs(spec, rungs), "lr-sweep"):
+            return None
+        for arch, arch_rungs in rungs.items():
+            grid = list(spec.lr.grid)
+            sweeps[arch] = [sweep_record(spec, r, losses(r, grid), grid) for r in swept(spec, arch_rungs)]
+        return sweeps
+    for target in sorted({r.target for rs in rungs.values() for r in swept(spec, rs)}):
+        at = {arch: next(r for r in swept(spec, rs) if r.target == target) for arch, rs in rungs.items()}
+        first = {arch: centred(spec, names[arch], rung, sweeps[arch]) for arch, rung in at.items()}
+        tried, new, label = {arch: list(lrs) for arch, lrs in first.items()}, first, next(iter(at.values())).label
+        for round_ in range(2 * spec.lr.widen + 1):
+            if not stage([Run(at[arch], lr, seed) for arch, lrs in new.items() for lr in lrs],
+                         f"lr-{label}" + (f"-widened{round_}" if round_ else "")):
+                return None
+            new = {arch: [lr] for arch in at
+                   if (lr := widening(losses(at[arch], tried[arch]), first[arch], spec.lr.widen)) is not None}
+            for arch, lrs in new.items():
+                tried[arch] += lrs
+            if not new:
+                break
+        for arch, rung in at.items():
+            sweeps[arch].append(sweep_record(spec, rung, losses(rung, tried[arch]), first[arch]))
+    for arch, records in sweeps.items():
+        edges = [s["rung"] for s in records if s["found_by"] in ("grid edge", "grid minimum")]
         if edges:
-            print(f"lm compare ladder: warning: {arch}'s best lr lies at an end of the grid at rung(s) "
-                  f"{', '.join(edges)}; the rule carries it up unbracketed: widen lr.grid", file=sys.stderr)
+            print(f"lm compare ladder: warning: {arch}'s best lr lies at an end of its sweep at rung(s) "
+                  f"{', '.join(edges)}" + (": widen lr.grid" if spec.lr.grid is not None else
+                                            f", after widening by {spec.lr.widen} lr(s): raise lr.widen"),
+                  file=sys.stderr)
+    return sweeps
+
+
+def lr_rules(spec: LadderSpec, sweeps: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per architecture: its sweeps, and the rule lr = c x size^s fitted over all of them (None where it cannot be:
+    one swept size and no slope given)."""
+    rules = {}
+    for arch, records in sweeps.items():
+        points = [(s["size"], s["best_lr"]) for s in records]
+        fits = points and (spec.lr.slope is not None or len({size for size, _ in points}) >= 2)
+        rules[arch] = {"rule": fit_rule(points, spec.lr.against, spec.lr.slope) if fits else None, "sweeps": records}
     return rules
 
 
 def main_runs(spec: LadderSpec, rungs: dict[str, list[Rung]], rules: dict[str, dict]) -> list[Run]:
-    """Every rung at every seed: a swept rung at its best grid lr, any other at the rule's lr."""
+    """Every rung at every seed: a swept size at its sweep's best lr (iso-FLOP: every budget of that size), any other
+    at the rule's lr."""
     runs = []
     for arch, arch_rungs in rungs.items():
-        best_grid = {s["rung"]: s["best_grid_lr"] for s in rules[arch]["sweeps"]}
+        best = {s["target"]: s["best_grid_lr"] for s in rules[arch]["sweeps"]}
         rule: LrRule | None = rules[arch]["rule"]
         for rung in arch_rungs:
-            lr = best_grid.get(rung.label) or rounded_lr(rule.lr(rung.size(spec.lr.against)))
+            lr = best.get(rung.target) or rounded_lr(rule.lr(rung.size(spec.lr.against)))
             runs += [Run(rung, lr, seed) for seed in spec.seeds]
     return runs
+
+
+def choose_runs(spec: LadderSpec, base, batch: int) -> tuple[dict[str, list[Rung]], list[Run]]:
+    """The runs of `choose:`: each value of the option at its rung (matched params, tokens_per_param), every seed."""
+    c = spec.choose
+    sub = replace(spec, archs=tuple(c.candidates), rungs=(c.rung,), budgets=None, match="params", gpu=None,
+                  choose=None)
+    rungs = plan_rungs(sub, base, batch, c.candidates)
+    return rungs, [Run(rs[0], c.lr, seed) for rs in rungs.values() for seed in c.seeds]
+
+
+def choice(spec: LadderSpec, rungs: dict[str, list[Rung]], out: Path) -> dict:
+    """The smallest value of the option whose mean final loss is at most the reference's mean plus the spread of the
+    reference's seeds (max - min); every value's losses, mean and spread."""
+    c, rows = spec.choose, []
+    for value, rs in zip(c.values, rungs.values()):
+        losses = [final_loss(run_dir(out, Run(rs[0], c.lr, seed))) for seed in c.seeds]
+        finite = all(math.isfinite(x) for x in losses)
+        rows.append({"value": value, "arch": rs[0].arch, "rung": rs[0].label, "losses": losses,
+                     "mean": statistics.fmean(losses) if finite else math.inf,
+                     "spread": max(losses) - min(losses) if finite else math.inf})
+    reference = next(r for r in rows if r["value"] == c.reference)
+    bound = reference["mean"] + reference["spread"]
+    chosen = next((r["value"] for r in rows if r["mean"] <= bound), c.reference)
+    return {"arch": c.arch, "option": c.option, "reference": c.reference, "lr": c.lr, "bound": bound,
+            "chosen": chosen, "rows": rows}
 
 
 def run_dir(out: Path, run: Run) -> Path:
@@ -138,9 +226,11 @@ def run_locally(jobs: dict, out: Path, workers: int, done=None) -> None:
 
 def train_run(config: str) -> dict:
     """One local job: `lm train` on a ladder config (resuming a run an earlier call left unfinished); a run that
-    diverges ends with the DIVERGED file, not an error (a high lr of the sweep may diverge)."""
+    diverges ends with the DIVERGED file, not an error (a high lr of the sweep may diverge). A run stopped on request
+    (its checkpoint written) stops the ladder (lm.workers.Stopped); a rerun continues it."""
     start = time.perf_counter()
     from lm.training.config import parse_run_config
+    from lm.training.stop_request import StoppedForRequeue
     from lm.training.train import train
 
     run, resume, resolved = parse_run_config(["--config", config])
@@ -148,6 +238,8 @@ def train_run(config: str) -> dict:
         train(run, resume, resolved)
     except Diverged as err:
         (Path(run.run_dir) / DIVERGED).write_text(f"{err}\n")
+    except StoppedForRequeue as stop:
+        raise Stopped(f"stopped at step {stop.args[0]} with a checkpoint") from None
     return {"seconds": time.perf_counter() - start}
 
 
@@ -245,32 +337,56 @@ def run_probes(spec: LadderSpec, runs: list[Run], out: Path, workers: int) -> No
                 jobs[f"{run.name}-{command[0]}-{i}"] = partial(probe_run, list(command), str(run_dir(out, run)),
                                                                str(folder), str(marker))
     if jobs:
-        print(f"lm compare ladder: {len(jobs)} probe(s) to run", file=sys.stderr)
-        run_locally(jobs, out, workers)
+        commands = "; ".join(f"lm eval {' '.join(command)}" for command in spec.probes)
+        print(f"lm compare ladder: probes: {len(jobs)} evaluation(s) of the finished runs ({commands}, each on a "
+              f"run's checkpoint), {min(workers, len(jobs))} at a time; each says when it is done", file=sys.stderr)
+
+        def done(name: str, result: dict) -> None:
+            print(f"lm compare ladder: probe {name} done in {result['seconds']:.0f} s", file=sys.stderr)
+
+        run_locally(jobs, out, workers, done)
 
 
-def prepared(spec: LadderSpec, out: Path) -> str | None:
-    """The bundled corpus prepared into OUT/data when the ladder file asks for it (a rerun reuses it)."""
+def prepared(spec: LadderSpec, out: Path) -> tuple[str | None, Path | None]:
+    """(the data folder the runs read, a temporary folder holding it) when the ladder file asks for the bundled
+    corpus: OUT/data where an earlier call prepared it, else prepared into a temporary folder, which moves to OUT/data
+    once the plan is accepted (a refused plan, or a dry run, writes nothing)."""
     if not spec.prepare:
-        return None
+        return None, None
+    if (out / "data" / "manifest.json").is_file():
+        return str((out / "data").resolve()), None
     from lm.data_prep.prepare import BUNDLED_CORPUS, prepare
 
-    prepare([str(BUNDLED_CORPUS)], str(out / "data"), vocab_size=int(spec.prepare["vocab_size"]), progress=False)
-    return str((out / "data").resolve())
+    temporary = Path(tempfile.mkdtemp(prefix="lm-ladder-data-"))
+    print(f"lm compare ladder: preparing the bundled corpus at a {spec.prepare['vocab_size']}-token BPE, to count "
+          f"its tokens against the plan", file=sys.stderr)
+    prepare([str(BUNDLED_CORPUS)], str(temporary / "data"), vocab_size=int(spec.prepare["vocab_size"]),
+            progress=False)
+    return str(temporary / "data"), temporary
+
+
+def checked_plan(spec: LadderSpec, base, batch: int, rungs: dict[str, list[Rung]], corpus: Corpus) -> None:
+    """Before anything runs: the data each run reads, for every value a choice may take."""
+    check_data(spec, rungs, corpus)
+    if spec.choose:
+        check_data(spec, choose_runs(spec, base, batch)[0], corpus)
+        for value in spec.choose.values:
+            check_data(spec, plan_rungs(spec, base, batch, [resolved(n, spec.choose, value) for n in spec.archs]),
+                       corpus)
 
 
 def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"] = "local", workers: int = 2,
            slurm: list[str] | None = None, wait: bool = True, dry_run: bool = False) -> Path:
-    """Architectures compared by fitted scaling curves: the ladder file's runs, its lr rule, fits and report.
+    """Architectures compared at matched compute by their runs, and by scaling curves judged on held-out rungs.
 
     Args:
-        file: The ladder file (configs/ladder/cpu.yaml: 5 architectures on 2 CPU cores in about 2 hours).
-        out: Where configs/, runs/, logs/, slurm/, ladder.json and report/ go; a rerun skips what is done.
+        file: The ladder file (configs/ladder/cpu.yaml: 4 architectures on 2 CPU cores, docs/ladder.md).
+        out: Where configs/, runs/, logs/, slurm/, data/, ladder.json and report/ go; a rerun skips what is done.
         where: local: worker processes here; slurm: one array job per stage (lm slurm submit --array).
         workers: Local jobs at once (each with cpu_count / workers threads).
         slurm: Further `lm slurm submit` options for the array jobs, e.g. ["--time=24:00:00", "--mem=8G"].
         wait: With --where slurm: wait for each stage's job, then go on; false: submit one stage and return.
-        dry_run: Print the planned rungs, runs and (with the file's gpu section) GPU-hours; write nothing.
+        dry_run: Print the planned rungs, runs, data and (with the file's gpu section) GPU-hours; write nothing.
     """
     from lm.compare.ladder_report import write_report
 
@@ -291,31 +407,56 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
     batch = sequences_per_step(base, None)
     rungs = plan_rungs(spec, base, batch)
     check_probes(spec)
-    check_rule_can_fit(spec, rungs)
-    stage1 = sweep_runs(spec, rungs)
-    print(plan_table(spec, rungs, len(stage1)), end="")
-    if spec.gpu:
-        print(gpu_hours_table(spec, rungs), end="")
-    if dry_run:
-        return out_dir
-    if where == "slurm":
-        from lm.slurm import scheduler
+    check_rule_can_fit(spec, rungs)  # both before preparing the corpus
+    data, temporary = prepared(spec, out_dir)
+    try:
+        corpus = corpus_of(data, raw, base.data.seq_len)
+        if spec.prepare:
+            corpus = replace(corpus, where=f"the bundled corpus at a {spec.prepare['vocab_size']}-token BPE (OUT/data)")
+        checked_plan(spec, base, batch, rungs, corpus)
+        print(plan_table(spec, rungs, corpus), end="")
+        if spec.gpu:
+            print(gpu_hours_table(spec, rungs), end="")
+        if dry_run:
+            return out_dir
+        if where == "slurm":
+            from lm.slurm import scheduler
 
-        scheduler.require("sbatch")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = prepared(spec, out_dir)
-    write_json(out_dir / "ladder.json", {"file": str(spec.path), "rungs": {a: [asdict(r) for r in rs]
-                                                                          for a, rs in rungs.items()}}, indent=1)
-    for run in stage1:
-        write_config(out_dir, run, raw, base, batch, data)
-    if not execute(stage1, out_dir, "lr-sweep", where, workers, slurm or [], wait):
+            scheduler.require("sbatch")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if temporary is not None:
+            shutil.move(data, out_dir / "data")
+            data = str((out_dir / "data").resolve())
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+    def stage(runs: list[Run], name: str) -> bool:
+        for run in runs:
+            write_config(out_dir, run, raw, base, batch, data)
+        return execute(runs, out_dir, name, where, workers, slurm or [], wait)
+
+    record = {"file": str(spec.path), "corpus_tokens": corpus.tokens}
+    chosen = None
+    if spec.choose:
+        candidates, runs = choose_runs(spec, base, batch)
+        if not stage(runs, "choose"):
+            return out_dir
+        chosen = choice(spec, candidates, out_dir)
+        print(f"lm compare ladder: choose: {spec.choose.option} {chosen['chosen']} for {spec.choose.arch} (mean loss "
+              f"within {chosen['bound']:.4f}, the reference's mean plus its seeds' spread)", file=sys.stderr)
+        rungs = plan_rungs(spec, base, batch, [resolved(n, spec.choose, chosen["chosen"]) for n in spec.archs])
+        record["choice"] = chosen
+    names = dict(zip(rungs, spec.archs))  # label -> the architecture as the file writes it
+    write_json(out_dir / "ladder.json", {**record, "rungs": {a: [asdict(r) for r in rs] for a, rs in rungs.items()}},
+               indent=1)
+    sweeps = lr_sweeps(spec, rungs, names, out_dir, stage)
+    if sweeps is None:
         return out_dir
-    rules = lr_rules(spec, rungs, out_dir)
-    stage2 = main_runs(spec, rungs, rules)
-    for run in stage2:
-        write_config(out_dir, run, raw, base, batch, data)
-    if not execute(stage2, out_dir, "rungs", where, workers, slurm or [], wait):
+    rules = lr_rules(spec, sweeps)
+    runs = main_runs(spec, rungs, rules)
+    if not stage(runs, "rungs"):
         return out_dir
-    run_probes(spec, stage2, out_dir, workers)
-    return write_report(spec, rules, stage2, out_dir, lambda run: final_loss(run_dir(out_dir, run)),
-                        partial(run_dir, out_dir), base.data.seq_len)
+    run_probes(spec, runs, out_dir, workers)
+    return write_report(spec, rules, runs, out_dir, lambda run: final_loss(run_dir(out_dir, run)),
+                        partial(run_dir, out_dir), base.data.seq_len, chosen=chosen, corpus=corpus)

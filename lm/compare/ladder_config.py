@@ -2,19 +2,22 @@
 learning rates, seeds and probes, and what to predict. Every key is checked when the file is read, before anything
 runs; configs/ladder/ has examples.
 
-    archs: [attention, gated_deltanet, mesa]   # as lm compare plan --archs takes them
+    archs: [attention, gated_deltanet+attention, mesa]   # as lm compare plan --archs takes them
     rungs: [1.0e5, 2.0e5, 4.0e5]               # target parameters (tied embedding included), matched by lm compare plan
     base: cpu_base.yaml                        # an lm train config (relative to this file): data, optim, trainer
     match: params                              # or flops (training FLOPs per token)
     tokens_per_param: 20                       # the budget of each rung ...
     budgets: null                              # ... or total FLOPs per run: every rung at every budget (iso-FLOP)
-    lr: {grid: [2.0e-3, 4.0e-3, 8.0e-3], sweep_rungs: 2, against: width, slope: null}
+    lr: {start: 4.0e-3, factors: [0.5, 1, 2], against: width, slope: null, widen: 3}   # a sweep at every rung
     seeds: [0, 1]
     probes: [[ppl], [longctx, --probes, "[passkey]"]]   # lm eval commands run on each finished run's checkpoint
-    target_compute: 1.0e21                     # where the fits predict (FLOPs)
-    level: 0.9                                 # of the bootstrap intervals
+    target_compute: 1.0e21                     # where the fitted curves are read, labelled as extrapolated
+    level: 0.9                                 # of the intervals
     bootstrap: 1000                            # replicates
+    repeat_data: false                         # true: a run may read its corpus more than once (epochs said)
     prepare: {vocab_size: 512}                 # optional: the bundled corpus, prepared into OUT/data, as the data
+    choose: {arch: mesa, option: cg_steps, values: [2, 4, 8, 30], reference: 30, rung: 6.2e4, lr: 4.0e-2}
+                                               # optional: "mesa@cg_steps=chosen" in archs takes the measured choice
     gpu: {peak_flops: 9.89e14, mfu: {attention: 0.358}, default_mfu: 0.136, gpu_gib: 141}   # optional: GPU-hours
 """
 
@@ -27,17 +30,59 @@ import yaml
 from lm.errors import UserError
 from lm.resources import shipped
 
+CHOSEN = "chosen"  # ARCH@OPTION=chosen: the value the ladder's `choose:` stage measures
+
 
 @dataclass(frozen=True)
 class LrSweep:
-    """The lr grid, swept on the `sweep_rungs` smallest rungs at the first seed; the larger rungs take the rule
-    fitted to the swept rungs' best lrs (lm/compare/lr_transfer.py) against `against` (width: d_model; params),
-    with `slope` fixed if given."""
+    """How each rung gets its lr (docs/ladder.md, "Learning rates").
 
-    grid: tuple[float, ...]
-    sweep_rungs: int = 2
+    With `start` and `factors` (the default form): the smallest rung sweeps start x factors (start: one lr, or one per
+    architecture); each larger rung sweeps the best lr of the rung below, times (its size / that rung's size)^slope
+    (slope 0 unless `slope` is set), times the factors. A best lr at an end of a sweep widens it: the next lr beyond
+    that end, by the factors' step there, up to `widen` more lrs a side. With `grid`: these lrs at each swept rung, as
+    written (never widened). Only the `sweep_rungs` smallest rungs are swept (default: every rung); any larger rung
+    takes the rule lr = c x size^s fitted over every swept rung's best lr (s fixed if `slope` is set); size: d_model
+    (width) or the parameter count (params)."""
+
+    start: float | dict | None = None  # a dict: each architecture as archs writes it -> lr
+    factors: tuple[float, ...] = (0.5, 1.0, 2.0)
+    grid: tuple[float, ...] | None = None
+    sweep_rungs: int | None = None  # None: every rung
     against: str = "width"
     slope: float | None = None
+    widen: int = 3
+
+    def swept(self, rungs: int) -> int:
+        """How many of the smallest rungs are swept."""
+        return rungs if self.sweep_rungs is None else self.sweep_rungs
+
+    def start_of(self, name: str) -> float:
+        """The smallest rung's centre for an architecture as archs writes it."""
+        return self.start[name] if isinstance(self.start, dict) else self.start
+
+
+@dataclass(frozen=True)
+class Choose:
+    """An option chosen by measurement before the ladder runs (archs name it as ARCH@OPTION=chosen): `arch` trained at
+    `rung` (matched params, tokens_per_param tokens) with each of `values` of `option`, at lr `lr` and every seed of
+    `seeds`. The choice is the smallest value whose mean final loss is at most the reference's mean plus the spread
+    (max - min) of the reference's seeds."""
+
+    arch: str
+    option: str
+    values: tuple
+    reference: object
+    rung: float
+    lr: float
+    seeds: tuple[int, ...]
+
+    def candidate(self, value) -> str:
+        return f"{self.arch}@{self.option}={written(value)}"
+
+    @property
+    def candidates(self) -> list[str]:
+        return [self.candidate(v) for v in self.values]
 
 
 @dataclass(frozen=True)
@@ -68,6 +113,8 @@ class LadderSpec:
     bootstrap: int = 1000
     prepare: dict | None = None
     gpu: GpuEstimate | None = None
+    repeat_data: bool = False
+    choose: Choose | None = None
 
 
 def number(value, key: str, path: Path) -> float:
@@ -95,20 +142,85 @@ def only_keys(mapping, allowed: list[str], where: str, path: Path) -> dict:
     return mapping
 
 
-def lr_sweep(raw, path: Path, rungs: int) -> LrSweep:
+def lr_sweep(raw, path: Path, rungs: int, labels: dict[str, str]) -> LrSweep:
+    """The lr section; `labels`: each architecture as archs writes it -> its label (lr.start may name either)."""
     raw = only_keys(raw, [f.name for f in fields(LrSweep)], "lr", path)
-    if "grid" not in raw:
-        raise UserError(f"{path}: lr needs a grid (the learning rates swept on the smallest rungs)")
-    sweep = LrSweep(grid=tuple(sorted(numbers(raw["grid"], "lr.grid", path))),
-                    sweep_rungs=raw.get("sweep_rungs", 2), against=raw.get("against", "width"),
-                    slope=None if raw.get("slope") is None else float(raw["slope"]))
+    if ("grid" in raw) == ("start" in raw):
+        raise UserError(f"{path}: lr needs either start (the smallest rung's centre, swept x factors at every rung) "
+                        f"or grid (the same lrs at each swept rung)")
+    if "grid" in raw and "factors" in raw:
+        raise UserError(f"{path}: lr.factors goes with lr.start, not with lr.grid")
+    start = raw.get("start")
+    if isinstance(start, dict):  # keyed by each architecture as archs writes it (or by its label)
+        by_label = {label: name for name, label in labels.items()}
+        by_name = {by_label.get(key, key): number(lr, f"lr.start.{key}", path) for key, lr in start.items()}
+        missing = [name for name in labels if name not in by_name]
+        unknown = sorted(set(by_name) - set(labels))
+        if missing or unknown:
+            raise UserError(f"{path}: lr.start must give one lr for each architecture of archs: "
+                            + "; ".join(part for part in (f"{', '.join(unknown)} not in archs" if unknown else "",
+                                                          f"none for {', '.join(missing)}" if missing else "") if part))
+        start = by_name
+    elif start is not None:
+        start = number(start, "lr.start", path)
+    factors = tuple(sorted(set(numbers(raw.get("factors", [0.5, 1.0, 2.0]), "lr.factors", path))))
+    sweep = LrSweep(start=start, factors=factors,
+                    grid=tuple(sorted(numbers(raw["grid"], "lr.grid", path))) if "grid" in raw else None,
+                    sweep_rungs=raw.get("sweep_rungs"), against=raw.get("against", "width"),
+                    slope=None if raw.get("slope") is None else float(raw["slope"]), widen=raw.get("widen", 3))
+    if sweep.start is not None and len(factors) < 3:
+        raise UserError(f"{path}: lr.factors needs at least 3 (such as [0.5, 1, 2]), so that a best lr can lie between "
+                        f"two others")
+    if not isinstance(sweep.widen, int) or sweep.widen < 0:
+        raise UserError(f"{path}: lr.widen must be a whole number of lrs a side, 0 or more")
     if sweep.against not in ("width", "params"):
         raise UserError(f"{path}: lr.against must be width or params, not {sweep.against!r}")
-    if not isinstance(sweep.sweep_rungs, int) or not 1 <= sweep.sweep_rungs <= rungs:
+    if sweep.sweep_rungs is not None and (not isinstance(sweep.sweep_rungs, int)
+                                          or not 1 <= sweep.sweep_rungs <= rungs):
         raise UserError(f"{path}: lr.sweep_rungs must be a whole number from 1 to the {rungs} rungs")
-    if sweep.slope is None and sweep.sweep_rungs < 2 and sweep.sweep_rungs < rungs:
+    if sweep.slope is None and sweep.swept(rungs) < 2 and sweep.swept(rungs) < rungs:
         raise UserError(f"{path}: one swept rung cannot fit the lr rule's slope: sweep 2 rungs or set lr.slope")
     return sweep
+
+
+def choose_section(raw, path: Path, seeds: tuple[int, ...]) -> Choose:
+    from lm.compare.plan import parse_archs
+
+    raw = only_keys(raw, [f.name for f in fields(Choose)], "choose", path)
+    missing = [key for key in ("arch", "option", "values", "reference", "rung", "lr") if key not in raw]
+    if missing:
+        raise UserError(f"{path}: choose needs {', '.join(missing)}")
+    values = raw["values"]
+    if not isinstance(values, list) or len(values) < 2 or not all(isinstance(v, (int, float)) for v in values) \
+            or len(set(values)) < len(values):
+        raise UserError(f"{path}: choose.values must be a list of at least 2 distinct numbers")
+    if raw["reference"] not in values:
+        raise UserError(f"{path}: choose.reference {raw['reference']!r} is not one of choose.values")
+    picked = raw.get("seeds", list(seeds))
+    if not isinstance(picked, list) or len(picked) < 2 or not all(isinstance(s, int) for s in picked) \
+            or len(set(picked)) < len(picked):
+        raise UserError(f"{path}: choose.seeds must list at least 2 distinct whole numbers (the reference's spread "
+                        f"over seeds is the criterion)")
+    choose = Choose(arch=str(raw["arch"]), option=str(raw["option"]), values=tuple(sorted(values)),
+                    reference=raw["reference"], rung=number(raw["rung"], "choose.rung", path),
+                    lr=number(raw["lr"], "choose.lr", path), seeds=tuple(picked))
+    try:
+        parse_archs(choose.candidates)
+    except UserError as err:
+        raise UserError(f"{path}: choose: {err}") from None
+    return choose
+
+
+def written(value) -> str:
+    """An option's value as an architecture's name writes it (4, 0.001)."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def resolved(name: str, choose: Choose | None, value) -> str:
+    """An architecture's name with ARCH@OPTION=chosen replaced by `value` (before the choice: the reference)."""
+    if choose is None:
+        return name
+    return name.replace(f"@{choose.option}={CHOSEN}", f"@{choose.option}={written(value)}")
 
 
 def gpu_estimate(raw, path: Path) -> GpuEstimate:
@@ -138,24 +250,41 @@ def load_ladder(path: str) -> LadderSpec:
     missing = [key for key in ("archs", "rungs", "base", "lr") if key not in raw]
     if missing:
         raise UserError(f"{file}: missing {', '.join(missing)}")
-    archs = tuple(a.label for a in parse_archs(raw["archs"]))
+    if not isinstance(raw["archs"], list) or not raw["archs"] or not all(isinstance(a, str) for a in raw["archs"]):
+        raise UserError(f"{file}: archs must be a list of architectures (mixers, a+b patterns, hybrids, variants)")
+    names = tuple(name.strip() for name in raw["archs"])
+    seeds = raw.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
+            or len(set(seeds)) < len(seeds):
+        raise UserError(f"{file}: seeds must be a list of distinct whole numbers")
+    choose = choose_section(raw["choose"], file, tuple(seeds)) if raw.get("choose") else None
+    placeholders = [name for name in names if f"={CHOSEN}" in name]
+    for name in placeholders:
+        if choose is None or f"@{choose.option}={CHOSEN}" not in name:
+            raise UserError(f"{file}: {name} takes a value chosen by measurement: add a choose section for "
+                            f"{name.split('@')[0]}'s {name.split('=' + CHOSEN)[0].split('@')[-1]}")
+    if choose is not None and not placeholders:
+        raise UserError(f"{file}: choose measures {choose.arch}'s {choose.option}, but no architecture takes it "
+                        f"(name one {choose.arch}@{choose.option}={CHOSEN} in archs)")
+    # Each name as written (plan.parse_archs takes "a+b" patterns, hybrids and variants); a chosen value is checked
+    # at the reference, which it may turn out to be.
+    labels = {name: a.label for name, a in zip(names, parse_archs(
+        [resolved(n, choose, choose.reference if choose else None) for n in names]))}
     rungs = tuple(sorted(numbers(raw["rungs"], "rungs", file)))
     if len(set(rungs)) < len(rungs):
         raise UserError(f"{file}: a rung is named twice")
     base = Path(raw["base"]) if Path(raw["base"]).is_absolute() else file.parent / raw["base"]
     if not base.is_file():
         raise UserError(f"{file}: base config {base} not found")
-    seeds = raw.get("seeds", [0])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
-            or len(set(seeds)) < len(seeds):
-        raise UserError(f"{file}: seeds must be a list of distinct whole numbers")
     probes = raw.get("probes") or []
     if not isinstance(probes, list) or not all(isinstance(p, list) and p and all(isinstance(a, str) for a in p)
                                                for p in probes):
         raise UserError(f"{file}: probes must be a list of lm eval commands, each a list of strings "
                         f"([ppl, --max_windows, '64'])")
+    if not isinstance(raw.get("repeat_data", False), bool):
+        raise UserError(f"{file}: repeat_data must be true or false")
     spec = LadderSpec(
-        path=file, archs=archs, rungs=rungs, base=str(base), lr=lr_sweep(raw["lr"], file, len(rungs)),
+        path=file, archs=names, rungs=rungs, base=str(base), lr=lr_sweep(raw["lr"], file, len(rungs), labels),
         match=raw.get("match", "params"),
         tokens_per_param=number(raw.get("tokens_per_param", 20), "tokens_per_param", file),
         budgets=None if raw.get("budgets") is None else tuple(sorted(numbers(raw["budgets"], "budgets", file))),
@@ -164,13 +293,15 @@ def load_ladder(path: str) -> LadderSpec:
                                                                              "target_compute", file),
         level=number(raw.get("level", 0.9), "level", file), bootstrap=raw.get("bootstrap", 1000),
         prepare=only_keys(raw["prepare"], ["vocab_size"], "prepare", file) if raw.get("prepare") else None,
-        gpu=gpu_estimate(raw["gpu"], file) if raw.get("gpu") else None)
+        gpu=gpu_estimate(raw["gpu"], file) if raw.get("gpu") else None,
+        repeat_data=raw.get("repeat_data", False), choose=choose)
     if spec.match not in ("params", "flops"):
         raise UserError(f"{file}: match must be params or flops, not {spec.match!r}")
     if not spec.level < 1:
         raise UserError(f"{file}: level must be between 0 and 1, got {spec.level}")
     if not isinstance(spec.bootstrap, int) or spec.bootstrap < 10:
         raise UserError(f"{file}: bootstrap must be a whole number of at least 10 replicates")
-    if spec.budgets and len(spec.rungs) < 3:
-        raise UserError(f"{file}: an iso-FLOP ladder (budgets) needs at least 3 rungs per budget for its parabolas")
+    if spec.budgets and len(spec.rungs) == 2:
+        raise UserError(f"{file}: an iso-FLOP ladder (budgets) needs at least 3 rungs per budget for its parabolas "
+                        f"(or one: every architecture at one size and matched compute)")
     return spec

@@ -1,7 +1,13 @@
-"""The report of a finished `lm compare ladder`: per architecture the fitted L(C) = E + A C^-alpha with bootstrap
-intervals (lm/compare/scaling_fit.py), its prediction at the target compute, the crossovers of each pair, the iso-FLOP
-parabolas and L(N, D) where the budgets allow, the lr rule, a log-log plot with bands, and `lm compare report` of the
-runs with all this as its section.
+"""The report of a finished `lm compare ladder` (what it may claim: lm/compare/ladder_verdicts.py):
+- verdicts at measured compute: each pair's gap where both have runs, with its seed interval, in segments;
+- fits judged by prediction: L(C) = E + A C^-alpha per architecture (lm/compare/scaling_fit.py) with intervals that
+  hold the law's misfit (the "misfit" bootstrap), the error of predicting its largest rung from the others and of
+  leaving each rung out, and E or alpha reported as "not identified" where the data cannot pin them;
+- beyond the runs, the fitted curves read only as labelled extrapolations with those held-out errors;
+- per rung the seeds' mean and spread and the lrs tried; the lr rule over all rungs with its slope; the data read;
+- iso-FLOP ladders: each budget's compute-optimal size and loss (a parabola in log N) with intervals, compared across
+  architectures at each budget, and L(N, D);
+- a log-log plot with bands, and `lm compare report` of the runs with the fits as its section.
 
 Files under OUT/report: ladder.md, fits.json, ladder.png (isoflop.png), section.json, compare/ (lm compare report)."""
 
@@ -44,99 +50,196 @@ def spent_compute(run_dir: Path) -> float | None:
     return results.flops if results.spent is not None and results.steps else None
 
 
-def isoflop(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Per budget: the parabola of mean loss against log params over its sizes (the compute-optimal size at its
-    vertex), and the runs of the size with the lowest mean loss, which the L(C) fit takes."""
+def parabola_vertices(log_n: np.ndarray, means: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(log N at the vertex, the loss there, whether it is a minimum) of parabolas fitted to means (R, K) at log_n."""
+    design = np.stack([log_n ** 2, log_n, np.ones_like(log_n)], axis=1)
+    a, b, c = np.linalg.lstsq(design, means.T, rcond=None)[0]
+    minimum = a > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        vertex = np.where(minimum, -b / (2 * a), np.nan)
+    return vertex, np.where(minimum, c - b * b / (4 * np.where(minimum, a, 1)), np.nan), minimum
+
+
+def optimum(at: list[dict], level: float, reps: int, seed: int) -> dict:
+    """One budget's parabola of mean loss against log params over its sizes: the compute-optimal size and loss at its
+    vertex, with intervals from replicates that resample each size's seeds and add each size's mean residual with a
+    random sign (inflated by sqrt(K / (K - 3)) for K sizes), as the "misfit" bootstrap of L(C) does. The optimum is
+    not identified where the vertex is no minimum or lies outside the sizes tried."""
+    from lm.compare.scaling_fit import interval
+
+    sizes = sorted({r["params"] for r in at})
+    log_n = np.log(np.array(sizes, dtype=float))
+    seeds = [np.array([r["loss"] for r in at if r["params"] == n]) for n in sizes]
+    means = np.array([x.mean() for x in seeds])
+    vertex, loss, minimum = (v[0] for v in parabola_vertices(log_n, means[None]))
+    design = np.stack([log_n ** 2, log_n, np.ones_like(log_n)], axis=1)
+    fitted = design @ np.linalg.lstsq(design, means, rcond=None)[0]
+    rng = np.random.default_rng(seed)
+    inflation = math.sqrt(len(sizes) / max(len(sizes) - 3, 1))
+    signs = rng.choice([-1.0, 1.0], size=(reps, len(sizes)))
+    replicates = np.empty((reps, len(sizes)))
+    for k, x in enumerate(seeds):
+        deviation = (x - x.mean()) * (math.sqrt(len(x) / (len(x) - 1)) if len(x) > 1 else 0.0)
+        drawn = deviation[rng.integers(len(x), size=(reps, len(x)))].mean(axis=1)
+        replicates[:, k] = fitted[k] + signs[:, k] * (means[k] - fitted[k]) * inflation + drawn
+    vertices, losses, _ = parabola_vertices(log_n, replicates)
+    inside = bool(minimum and log_n[0] <= vertex <= log_n[-1])
+    return {"sizes": sizes, "means": means.tolist(), "coefficients": np.polyfit(log_n, means, 2).tolist(),
+            "params_opt": math.exp(vertex) if minimum else None, "loss_opt": float(loss) if minimum else None,
+            "identified": inside, "params_interval": tuple(math.exp(v) for v in interval(vertices, level)),
+            "loss_interval": interval(losses, level), "loss_samples": losses}
+
+
+def isoflop(rows: list[dict], level: float = 0.9, reps: int = 1000, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Per budget: its parabola and compute-optimal size and loss with intervals (optimum; budgets of 3 sizes or
+    more), and the runs of the size with the lowest mean loss, which the L(C) fit takes."""
     parabolas, best = [], []
     for budget in sorted({r["budget"] for r in rows}):
         at = [r for r in rows if r["budget"] == budget and math.isfinite(r["loss"])]
         sizes = sorted({r["params"] for r in at})
         means = [float(np.mean([r["loss"] for r in at if r["params"] == n])) for n in sizes]
         if len(sizes) >= 3:
-            a, b, c = np.polyfit(np.log(sizes), means, 2)
-            vertex = -b / (2 * a) if a > 0 else None
-            parabolas.append({"budget": budget, "coefficients": [a, b, c], "sizes": sizes, "means": means,
-                              "params_opt": math.exp(vertex) if vertex is not None else None,
-                              "loss_opt": c - b * b / (4 * a) if a > 0 else None})
+            parabolas.append({"budget": budget, **optimum(at, level, reps, seed)})
         lowest = sizes[int(np.argmin(means))]
         best += [r for r in at if r["params"] == lowest]
     return parabolas, best
+
+
+def optimum_rows(parabolas: dict, level: float) -> tuple[list[list[str]], list[list[str]]]:
+    """The compute-optimal size and loss of each architecture at each budget, and at each budget each pair compared
+    at its own best sizes: the gap of the optimal losses (nats) with its interval over the replicates."""
+    from lm.compare.scaling_fit import interval
+
+    table, verdicts = [], []
+    for arch, items in parabolas.items():
+        for p in items:
+            table.append([arch, sci(p["budget"]), count(p["params_opt"]) if p["params_opt"] else "no minimum",
+                          f"{count(p['params_interval'][0])} to {count(p['params_interval'][1])}"
+                          if p["identified"] else "not identified (outside the sizes tried)",
+                          interval_text(p["loss_opt"], p["loss_interval"], ".4f") if p["identified"] else ""])
+    archs = list(parabolas)
+    for budget in sorted({p["budget"] for items in parabolas.values() for p in items}):
+        at = {a: next((p for p in parabolas[a] if p["budget"] == budget), None) for a in archs}
+        for i, first in enumerate(archs):
+            for second in archs[i + 1:]:
+                p1, p2 = at[first], at[second]
+                if p1 is None or p2 is None:
+                    continue
+                if not (p1["identified"] and p2["identified"]):
+                    lacking = [a for a, p in ((first, p1), (second, p2)) if not p["identified"]]
+                    verdicts.append([f"{first} / {second}", sci(budget), "", f"cannot tell: {', '.join(lacking)}'s "
+                                     f"optimum is not identified (outside the sizes tried)"])
+                    continue
+                gap = p1["loss_opt"] - p2["loss_opt"]
+                lo, hi = interval(np.asarray(p1["loss_samples"]) - np.asarray(p2["loss_samples"]), level)
+                lower = first if gap < 0 else second
+                sure = (hi < 0 and gap < 0) or (lo > 0 and gap > 0)
+                verdicts.append([f"{first} / {second}", sci(budget), f"{gap:+.4f} [{lo:+.4f}, {hi:+.4f}]",
+                                 f"{lower} lower, each at its own best size" if sure else "cannot tell"])
+    return table, verdicts
 
 
 def interval_text(value: float, bounds: tuple[float, float], form: str = ".3g") -> str:
     return f"{value:{form}} [{bounds[0]:{form}}, {bounds[1]:{form}}]"
 
 
-def fit_arch(rows: list[dict], spec, target: float, seed: int) -> dict:
-    """L(C) of one architecture with bootstrap intervals (replicates drawn from `seed`) and its prediction at
-    `target`; where too few rungs finished, why no fit."""
-    from lm.compare.scaling_fit import bootstrap_laws, fit_law, interval, predict_thetas
+E_FLOOR = 0.01  # E below 1% of the lowest loss counts as at its bound 0
+ALPHA_SPAN = 10.0  # an alpha interval wider than this factor does not pin alpha
 
+
+def power_law_allowed(computes: np.ndarray, losses: np.ndarray, residual: np.ndarray, level: float) -> bool:
+    """Whether the runs allow E = 0: a pure power law (a line in log-log, least squares) fits them as well as the free
+    law, by an F test at `level` (F = the drop in squared log residuals over the free fit's residual variance, against
+    t((1 + level) / 2, n - 3)^2)."""
+    from lm.compare.ladder_verdicts import t_quantile
+
+    x, y = np.log(computes), np.log(losses)
+    slope, intercept = np.polyfit(x, y, 1)
+    dof = len(y) - 3
+    line, free = float(np.sum((y - intercept - slope * x) ** 2)), float(np.sum(residual ** 2))
+    if dof < 1:
+        return True
+    return free == 0 and line == 0 or free > 0 and (line - free) / (free / dof) <= t_quantile((1 + level) / 2, dof) ** 2
+
+
+def identified(fit: dict, level: float) -> None:
+    """Mark E and alpha "not identified" where the data cannot pin them: E where a pure power law (E = 0) fits the runs
+    as well (power_law_allowed), or its interval (or the point) reaches below E_FLOOR of the lowest loss, i.e. its
+    bound 0; alpha where its interval is not positive or spans more than ALPHA_SPAN."""
+    floor = E_FLOOR * fit["lowest_loss"]
+    fit["E_identified"] = bool(not fit["power_law_allowed"] and fit["E"] >= floor and fit["E_interval"][0] >= floor)
+    lo, hi = fit["alpha_interval"]
+    fit["alpha_identified"] = bool(lo > 0 and hi <= ALPHA_SPAN * lo)
+    for name in ("E", "alpha"):
+        lo, hi = fit[f"{name}_interval"]
+        fit[f"{name}_outside"] = not lo - 1e-9 <= fit[name] <= hi + 1e-9  # the point outside its own interval
+
+
+def fit_arch(rows: list[dict], spec, target: float, seed: int) -> dict:
+    """L(C) of one architecture with "misfit" bootstrap intervals (replicates drawn from `seed`), its held-out errors
+    (nats) and its prediction at `target`; where too few rungs finished, why no fit."""
     finite = [r for r in rows if math.isfinite(r["loss"])]
     computes = np.array([r["compute"] for r in finite])
     losses = np.array([r["loss"] for r in finite])
     if len(set(computes.tolist())) < 3 or len(finite) < 4:
         return {"runs": len(finite), "why": f"{len(set(computes.tolist()))} compute value(s) and {len(finite)} "
                                             "finished runs: a fit of 3 parameters needs 3 values and 4 runs"}
+    groups = [r["rung"] for r in finite]
+    with np.errstate(over="ignore"):  # a replicate's A C^-alpha may overflow where E is not identified
+        return fitted_arch(computes, losses, groups, spec, target, seed)
+
+
+def fitted_arch(computes: np.ndarray, losses: np.ndarray, groups: list[str], spec, target: float, seed: int) -> dict:
+    """fit_arch's fit of the finished runs (computes, losses, their rungs)."""
+    from lm.compare.scaling_fit import bootstrap_laws, fit_law, held_out, interval, predict_thetas
+
     law = fit_law(computes, losses)
-    thetas = bootstrap_laws(computes, losses, groups=[r["rung"] for r in finite], reps=spec.bootstrap, seed=seed)
+    thetas = bootstrap_laws(computes, losses, groups=groups, reps=spec.bootstrap, seed=seed, method="misfit")
     at_target = predict_thetas(thetas, np.array([target]))[:, 0]
     residual = np.log(losses) - np.log(law.predict(computes))
-    return {"runs": len(finite), "theta": law.theta.tolist(), "thetas": thetas,
-            "E": law.E, "E_interval": interval(np.exp(thetas[:, 0]), spec.level),
-            "alpha": law.exponents[0], "alpha_interval": interval(thetas[:, 2], spec.level),
-            "A": law.coefficients[0], "target_loss": float(law.predict(np.array([target]))[0]),
-            "target_interval": interval(at_target, spec.level), "target_samples": at_target,
-            "rms_log_residual": float(np.sqrt(np.mean(residual ** 2)))}
+    fit = {"runs": len(losses), "rungs": len(set(groups)), "theta": law.theta.tolist(), "thetas": thetas,
+           "E": law.E, "E_interval": interval(np.exp(thetas[:, 0]), spec.level),
+           "E_at_bound": float(np.mean(np.exp(thetas[:, 0]) < E_FLOOR * losses.min())),
+           "alpha": law.exponents[0], "alpha_interval": interval(thetas[:, 2], spec.level),
+           "A": law.coefficients[0], "target_loss": float(law.predict(np.array([target]))[0]),
+           "target_interval": interval(at_target, spec.level), "largest_compute": float(computes.max()),
+           "lowest_loss": float(losses.min()), "rms_log_residual": float(np.sqrt(np.mean(residual ** 2))),
+           "held_out": held_out(computes, losses, groups),
+           "power_law_allowed": power_law_allowed(computes, losses, residual, spec.level)}
+    identified(fit, spec.level)
+    return fit
 
 
-def crossover_rows(fits: dict, spec, low: float, target: float) -> list[list[str]]:
-    """Each pair of fitted architectures: where their curves cross between the ladder's smallest compute and the
-    target, with an interval over the paired replicates, or that they do not, or that the data cannot tell."""
-    from lm.compare.scaling_fit import crossover, crossovers, interval
-
-    names = [a for a in fits if "theta" in fits[a]]
-    rows = []
-    for i, first in enumerate(names):
-        for second in names[i + 1:]:
-            f1, f2 = fits[first], fits[second]
-            point = crossover(np.array(f1["theta"]), np.array(f2["theta"]), math.log(low), math.log(target))
-            reps = crossovers(f1["thetas"], f2["thetas"], math.log(low), math.log(target))
-            share = float(np.mean(np.isfinite(reps)))
-            ahead = float(np.mean(f1["target_samples"] < f2["target_samples"]))
-            leader = first if ahead >= 0.5 else second
-            sure = max(ahead, 1 - ahead)
-            if point is not None and share >= spec.level:
-                lo, hi = interval(np.exp(reps), spec.level)  # over the replicates that cross
-                verdict = f"cross at {sci(math.exp(point))} FLOPs [{sci(lo)}, {sci(hi)}]"
-            elif point is None and share <= 1 - spec.level:
-                verdict = f"no crossover up to the target: {leader} lower there in {sure:.0%} of replicates"
-            else:
-                verdict = "the data cannot tell; " + more_seeds_needed(f1["target_samples"], f2["target_samples"],
-                                                                      spec)
-            rows.append([f"{first} / {second}", verdict, f"{share:.0%}", f"{leader} ({sure:.0%})"])
-    return rows
+def estimate_text(fit: dict, name: str) -> str:
+    if not fit[f"{name}_identified"]:
+        return (f"not identified ({fit[name]:.3g}; the data allow E = 0)" if name == "E" else
+                f"not identified ({fit[name]:.3g}; interval {fit[f'{name}_interval'][0]:.3g} to "
+                f"{fit[f'{name}_interval'][1]:.3g})")
+    return interval_text(fit[name], fit[f"{name}_interval"]) + (" (the point lies outside its interval)"
+                                                                 if fit[f"{name}_outside"] else "")
 
 
-def more_seeds_needed(samples_1, samples_2, spec) -> str:
-    """How many seeds per rung (or rungs at these seeds) would put one architecture lower at the target in `level` of
-    the replicates, from the bootstrap: the gap in log loss there has mean m and spread s over the replicates; s
-    shrinks as 1 / sqrt(runs) (seeds resampled within rungs), so the level is reached at runs x (z s / m)^2, z the
-    normal quantile of `level`. An estimate: more rungs over a wider range also shorten the extrapolation."""
-    from statistics import NormalDist
+def nats(value: float | None) -> str:
+    return "" if value is None else f"{value:+.3f}"
 
-    gap = np.log(np.asarray(samples_1)) - np.log(np.asarray(samples_2))
-    gap = gap[np.isfinite(gap)]
-    mean, spread = float(np.mean(gap)), float(np.std(gap))
-    factor = (NormalDist().inv_cdf(spec.level) * spread / abs(mean)) ** 2 if mean else math.inf
-    if factor > 100:
-        return "more than 100x the runs would be needed: the two are equal within the seeds' noise"
-    if factor <= 1:  # which is lower at the target is settled; where in the range they cross is not
-        return ("which is lower at the target is already settled by these runs; where they cross is not, which "
-                "rungs over a wider range of compute would settle")
-    seeds, rungs = len(spec.seeds), len(spec.rungs)
-    return (f"about {math.ceil(seeds * factor)} seeds per rung (or {math.ceil(rungs * factor)} rungs at "
-            f"{seeds} seeds) would, from the bootstrap's spread")
+
+def fit_rows(fits: dict, target: float) -> list[list[str]]:
+    """The fits table: estimates, held-out errors (nats), and the reading at the target, labelled."""
+    from lm.compare.ladder_verdicts import times
+
+    table = []
+    for arch, fit in fits.items():
+        if "theta" not in fit:
+            table.append([arch, str(fit["runs"]), "", "", "", "", "", "", fit["why"]])
+            continue
+        past = target / fit["largest_compute"]
+        where = f"extrapolated, {times(past)} past the largest run" if past > 1 + 1e-9 else "inside the runs"
+        ho = fit["held_out"]
+        table.append([arch, str(fit["runs"]), str(fit["rungs"]), estimate_text(fit, "alpha"), estimate_text(fit, "E"),
+                      nats(ho["largest"]) or "too few rungs", nats(ho["rms"]).lstrip("+"),
+                      f"{fit['rms_log_residual']:.4f}",
+                      interval_text(fit["target_loss"], fit["target_interval"], ".4g") + f"; {where}"])
+    return table
 
 
 def plot(fits: dict, found: dict, low: float, target: float, path: Path, level: float) -> None:
@@ -209,76 +312,176 @@ def rule_record(rule: dict) -> dict:
             "sweeps": [{**s, "losses": {str(lr): loss for lr, loss in s["losses"].items()}} for s in rule["sweeps"]]}
 
 
-def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_len: int) -> Path:
-    """The fits, tables and plots into OUT/report, and `lm compare report` of the runs (`dir_of(run)`: its run
-    directory; `loss_of(run)`: its final loss) with them as its section."""
+def verdict_rows(fitted: dict, fits: dict, level: float, target: float | None) -> dict:
+    """Every pair: its verdict at measured compute, its gaps at the rungs' computes, and (with a target) its fitted
+    curves read at the target where that lies beyond the range both were measured over."""
+    from lm.compare.ladder_verdicts import MATCHED, compare, extrapolated, rung_means
+
+    means = {arch: rung_means(rows) for arch, rows in fitted.items()}
+    archs = [a for a in fitted if means[a]]
+    measured, gaps, beyond, records = [], [], [], []
+    for i, first in enumerate(archs):
+        for second in archs[i + 1:]:
+            pair = (first, second)
+            found = compare(pair, means[first], means[second], level)
+            span = found["range"]
+            crossing = ("; ".join(f"at {sci(c)} (point estimates)" for c in found["crossings"])
+                        or "none inside the measured range") if span else ""
+            where = "none" if not span else f"{sci(math.sqrt(span[0] * span[1]))} (matched within 2%)" \
+                if span[1] / span[0] <= MATCHED ** 2 else f"{sci(span[0])} to {sci(span[1])}"
+            measured.append([f"{first} / {second}", where, found["verdict"], crossing])
+            gaps += [[f"{first} / {second}", sci(g["compute"]), f"{g['gap']:+.4f}",
+                      f"[{g['low']:+.4f}, {g['high']:+.4f}]" if math.isfinite(g["low"]) else "no interval (one seed)"]
+                     for g in found["gaps"]]
+            far = None if target is None else extrapolated(
+                pair, (fits[first], fits[second]), target, span, (means[first][-1].compute, means[second][-1].compute))
+            if far is not None:
+                beyond.append([f"{first} / {second}", sci(far["compute"]), far.get("label", ""), far["reading"]])
+            records.append({**{k: v for k, v in found.items() if k != "segments"},
+                            "segments": [list(s) for s in found["segments"]], "beyond": far})
+    return {"measured": measured, "gaps": gaps, "beyond": beyond, "records": records}
+
+
+def rung_rows(found: dict, rules: dict, level: float) -> list[list[str]]:
+    """Per architecture and rung (iso-FLOP: size and budget): compute, the seeds' mean (with its t interval) and
+    spread, the lrs tried at the first seed and the best."""
+    from lm.compare.ladder_verdicts import rung_means, t_quantile
+
+    sweeps = {(arch, s["rung"]): s for arch, r in rules.items() for s in r["sweeps"]}
+    sizes = {(arch, s["target"]): s for arch, r in rules.items() for s in r["sweeps"]}  # iso-FLOP: a size's sweep
+    table = []
+    for arch, rows in found.items():
+        for m in rung_means(rows):
+            at = [r for r in rows if r["rung"] == m.rung]
+            losses = [r["loss"] for r in at if math.isfinite(r["loss"])]
+            sweep, lr = sweeps.get((arch, m.rung)), at[0]["lr"]
+            if sweep:
+                tried = ", ".join(f"{x:g}: {loss:.4f}" for x, loss in sweep["losses"].items())
+                best = f"{sweep['best_lr']:.3g} ({sweep['found_by']})"
+            elif (arch, at[0]["target"]) in sizes:
+                tried, best = "", f"{lr:g} (its size's sweep, at {sizes[arch, at[0]['target']]['rung']})"
+            else:
+                tried, best = "", f"{lr:g} (the rule)"
+            half = t_quantile((1 + level) / 2, m.n - 1) * math.sqrt(m.var / m.n) if m.var is not None else None
+            table.append([arch, m.rung, sci(m.compute), str(m.n), f"{m.mean:.4f}" + (
+                f" [{m.mean - half:.4f}, {m.mean + half:.4f}]" if half is not None else ""),
+                f"{max(losses) - min(losses):.4f}", tried, best])
+    return table
+
+
+def data_lines(corpus, found: dict) -> list[str]:
+    if corpus is None or not corpus.tokens:
+        return [f"Data: {corpus.where if corpus else 'not known'}."]
+    most = max((r for rows in found.values() for r in rows), key=lambda r: r["tokens"])
+    return [f"Data: {corpus.where}, {count(corpus.tokens)} training tokens. The longest run reads "
+            f"{count(most['tokens'])} tokens ({most['run']}): {most['tokens'] / corpus.tokens:.3g} epochs."]
+
+
+def choice_lines(chosen: dict | None) -> list[str]:
+    if not chosen:
+        return []
+    rows = [[f"{chosen['option']} {r['value']}", r["rung"], ", ".join(f"{x:.4f}" for x in r["losses"]),
+             f"{r['mean']:.4f}", f"{r['spread']:.4f}", "yes" if r["mean"] <= chosen["bound"] else "no"]
+            for r in chosen["rows"]]
+    return ["## The choice", "", f"{chosen['arch']} trained with each {chosen['option']} at lr {chosen['lr']:g}: the "
+            f"smallest whose mean loss is at most the mean of {chosen['option']} {chosen['reference']} plus the spread "
+            f"of its seeds ({chosen['bound']:.4f}) is chosen: **{chosen['option']} {chosen['chosen']}**.", "",
+            markdown_table([chosen["option"], "rung", "final loss by seed", "mean", "spread", "within"], rows)]
+
+
+def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_len: int, chosen: dict | None = None,
+                 corpus=None) -> Path:
+    """The verdicts, fits, tables and plots into OUT/report, and `lm compare report` of the runs (`dir_of(run)`: its
+    run directory; `loss_of(run)`: its final loss) with them as its section."""
     from lm.compare.report import report
 
     report_dir = out / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
     found = points(runs, loss_of, lambda run: spent_compute(dir_of(run)))
-    parabolas, fitted = {}, dict(found)  # iso-FLOP: L(C) fits each budget's best size
+    parabolas, fitted = {}, dict(found)  # iso-FLOP: verdicts and L(C) take each budget's best size
     if spec.budgets:
-        for arch, rows in found.items():
-            parabolas[arch], fitted[arch] = isoflop(rows)
+        for i, (arch, rows) in enumerate(found.items()):
+            parabolas[arch], fitted[arch] = isoflop(rows, spec.level, spec.bootstrap, SEED + i)
+        parabolas = {a: p for a, p in parabolas.items() if p}
     computes = [r["compute"] for rows in fitted.values() for r in rows]
     low, high = min(computes), max(computes)
     target = spec.target_compute or DEFAULT_TARGET_FACTOR * high
     # Each architecture's replicates from a seed of its own: the runs of two architectures are independent samples.
     fits = {arch: fit_arch(rows, spec, target, SEED + i) for i, (arch, rows) in enumerate(fitted.items())}
     pct = f"{spec.level:.0%}"
-    header = ["arch", "runs", "alpha", "E", "A", f"loss at {sci(target)} FLOPs", "RMS log residual"]
-    table = []
-    for arch, fit in fits.items():
-        if "theta" not in fit:
-            table.append([arch, str(fit["runs"]), "", "", "", fit["why"], ""])
-            continue
-        table.append([arch, str(fit["runs"]), interval_text(fit["alpha"], fit["alpha_interval"]),
-                      interval_text(fit["E"], fit["E_interval"]), f"{fit['A']:.3g}",
-                      interval_text(fit["target_loss"], fit["target_interval"], ".4g"),
-                      f"{fit['rms_log_residual']:.4f}"])
-    cross = crossover_rows(fits, spec, low, target)
+    verdicts = verdict_rows(fitted, fits, spec.level, spec.target_compute)
+    header = ["arch", "runs", "rungs", f"alpha [{pct}]", f"E [{pct}]", "held-out error at the largest rung (nats)",
+              "leave-one-rung-out RMS (nats)", "RMS log residual", f"loss at {sci(target)} FLOPs [{pct}]"]
+    table = fit_rows(fits, target)
     images = ["ladder.png"]
     plot(fits, fitted, low, target, report_dir / "ladder.png", spec.level)
     if parabolas:
         plot_isoflop(parabolas, report_dir / "isoflop.png")
         images.append("isoflop.png")
     nd = {arch: nd_fit(rows, spec) for arch, rows in found.items()} if spec.budgets else {}
+    nd = nd if any(nd.values()) else {}
 
-    lines = [f"# Ladder: {spec.path}", "",
-             f"L(C) = E + A C^-alpha per architecture (C: training FLOPs, lm.accounting.flops), fitted by Huber loss "
-             f"on log loss; [{pct} intervals] from {spec.bootstrap} bootstrap replicates over runs (seeds resampled "
-             f"within each rung). The target compute is {sci(target)} FLOPs"
-             + ("" if spec.target_compute else f" ({DEFAULT_TARGET_FACTOR:g}x the largest run: none was set)") + ".",
-             "", markdown_table(header, table), "## Crossovers", "",
-             f"Between the smallest run ({sci(low)} FLOPs) and the target. A crossover is reported when at least "
-             f"{pct} of the paired replicates cross in that range; none when at most {1 - spec.level:.0%} do.", "",
-             markdown_table(["pair", "verdict", "replicates crossing", "lower at the target"], cross)]
+    lines = [f"# Ladder: {spec.path}", "", "## Verdicts at measured compute", "",
+             f"Where both architectures have runs, each one's mean final loss is interpolated linearly in log compute "
+             f"between its own rungs, and the gap is read with its {pct} seed interval (Student's t over the seeds, "
+             f"Welch's degrees of freedom). A verdict names the lower one only where that interval excludes 0. "
+             f"Computes within 2% count as matched.", "",
+             markdown_table(["pair", "both measured (FLOPs)", "verdict", "where the point estimates cross"],
+                            verdicts["measured"]),
+             "### Gaps at the rungs' computes (first minus second, nats)", "",
+             markdown_table(["pair", "compute", "gap", f"{pct} seed interval"], verdicts["gaps"])]
+    if verdicts["beyond"]:
+        lines += ["## Beyond the measured range: the fitted curves (extrapolated)", "",
+                  "Read only as labelled: how far past the largest run each curve is read, and whether the gap "
+                  "exceeds the fits' errors at predicting their own largest rung from the others.", "",
+                  markdown_table(["pair", "at (FLOPs)", "extrapolated", "reading"], verdicts["beyond"])]
+    lines += ["## Fits judged by prediction", "",
+              f"L(C) = E + A C^-alpha per architecture (C: training FLOPs as spent), fitted by Huber loss on log loss. "
+              f"[{pct} intervals] from {spec.bootstrap} replicates that resample the seeds within each rung and add "
+              f"each rung's mean residual with a random sign (the law's misfit). Held-out errors: the law fitted "
+              f"without a rung, its prediction there minus the rung's mean loss; the largest rung's, and the root mean "
+              f"square over every rung left out in turn. E or alpha is \"not identified\" where the data cannot pin "
+              f"it (E: its interval reaches its bound 0).", "", markdown_table(header, table)]
+    if parabolas:
+        optima, compared = optimum_rows(parabolas, spec.level)
+        lines += ["## Compute-optimal comparison (iso-FLOP parabolas)", "",
+                  f"At each budget, the parabola of mean loss against log params; its vertex is the compute-optimal "
+                  f"size and loss, [{pct} intervals] from replicates as for L(C).", "",
+                  markdown_table(["arch", "budget", "compute-optimal params", f"{pct} interval", "loss at the optimum"],
+                                 optima),
+                  markdown_table(["pair", "budget", "gap of the optimal losses (nats)", "verdict"], compared)]
     if nd:
         lines += ["## L(N, D) = E + A N^-alpha + B D^-beta (all sizes of every budget)", "",
                   markdown_table(["arch", "alpha", "beta", "E"], [
                       [a, interval_text(f["alpha"], f["alpha_interval"]), interval_text(f["beta"], f["beta_interval"]),
                        interval_text(f["E"], f["E_interval"])] if f else [a, "too few runs", "", ""]
                       for a, f in nd.items()])]
-        lines += ["## Iso-FLOP parabolas", "", markdown_table(["arch", "budget", "compute-optimal params", "loss"], [
-            [a, sci(p["budget"]), count(p["params_opt"]) if p["params_opt"] else "no minimum",
-             f"{p['loss_opt']:.4f}" if p["loss_opt"] else ""] for a, ps in parabolas.items() for p in ps])]
-    else:
+    elif not spec.budgets:
         lines += ["L(N, D) is not fitted: every run trains the same tokens per parameter, so N and D move together "
                   "(set budgets: for iso-FLOP runs).", ""]
-    lines += ["## Learning rates", "", markdown_table(
-        ["arch", "swept rung", "final loss by lr", "best lr", "rule"],
-        [[arch, s["rung"], ", ".join(f"{lr:g}: {loss:.4f}" for lr, loss in s["losses"].items()),
-          f"{s['best_lr']:.3g} ({s['found_by']})", r["rule"].describe() if r["rule"] else "none: every rung swept"]
-         for arch, r in rules.items() for s in r["sweeps"]]),
-        "## Runs", "", markdown_table(["arch", "rung", "seed", "lr", "params", "tokens", "compute", "final loss"], [
-            [arch, r["rung"], r["seed"], f"{r['lr']:g}", f"{r['params']:,}", f"{r['tokens']:,}",
-             sci(r["compute"]), f"{r['loss']:.4f}"] for arch, rows in found.items() for r in rows])]
+    lines += choice_lines(chosen)
+    lines += ["## Rungs", "", "The seeds' mean final loss and spread (max - min) at each rung; the lrs its sweep "
+              "tried at the first seed, and its best lr (the seeds ran at the best lr the sweep trained).", "",
+              markdown_table(["arch", "rung", "compute", "seeds", f"mean loss [{pct} seed interval]", "spread",
+                              "final loss by lr (seed 0)", "best lr"], rung_rows(found, rules, spec.level)),
+              "## Learning rates", "", "The rule fitted over every swept rung's best lr (each the vertex of a "
+              "parabola in log lr), with its slope; it sets the lr of a rung that was not swept.", "",
+              markdown_table(["arch", "rule", "rungs whose best lr lies at the sweep's end"], [
+                  [arch, r["rule"].describe() if r["rule"] else "none: one swept size",
+                   ", ".join(s["rung"] for s in r["sweeps"] if s["found_by"] in ("grid edge", "grid minimum"))
+                   or "none"] for arch, r in rules.items()]),
+              *data_lines(corpus, found), "",
+              "## Runs", "", markdown_table(
+                  ["arch", "rung", "seed", "lr", "params", "tokens", "compute", "final loss"], [
+                  [arch, r["rung"], r["seed"], f"{r['lr']:g}", f"{r['params']:,}", f"{r['tokens']:,}",
+                   sci(r["compute"]), f"{r['loss']:.4f}"] for arch, rows in found.items() for r in rows])]
     (report_dir / "ladder.md").write_text("\n".join(lines) + "\n")
     write_json(report_dir / "fits.json", {
         "target_compute": target, "level": spec.level,
         "fits": {a: {k: v for k, v in f.items() if k not in ("thetas", "target_samples")} for a, f in fits.items()},
-        "crossovers": cross, "nd": nd, "parabolas": parabolas, "points": found, "fitted": fitted,
+        "verdicts": verdicts["records"], "nd": nd, "points": found, "fitted": fitted, "choice": chosen,
+        "parabolas": {a: [{k: v for k, v in p.items() if k != "loss_samples"} for p in ps]
+                      for a, ps in parabolas.items()},
         "lr_rules": {arch: rule_record(r) for arch, r in rules.items()}}, indent=1)
     write_section(report_dir, "Scaling ladder: L(C) per architecture", header, table, images)
     report([str(dir_of(run)) for run in runs], out=str(report_dir / "compare"),

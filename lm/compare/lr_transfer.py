@@ -1,7 +1,7 @@
-"""The learning rate of a ladder's larger rungs, carried up from an lr sweep on its smallest: each swept rung's best
-lr (the vertex of a parabola in log lr through the grid's lowest mean loss and its neighbours), then a power law
-lr = c * size^s fitted by least squares in log-log over the swept rungs (size: d_model or parameters). With one swept
-size, or a slope given in the ladder file, the slope is fixed and only c is fitted."""
+"""The learning rates of a ladder: each swept rung's best lr (the vertex of a parabola in log lr through the sweep's
+lowest loss and its neighbours), the lr that widens a sweep whose best lies at an end, and a power law
+lr = c * size^s fitted by least squares in log-log over the swept rungs (size: d_model or parameters), with the
+standard error of its slope. A slope given in the ladder file is kept, and only c is fitted."""
 
 import math
 from dataclasses import dataclass
@@ -30,6 +30,28 @@ def best_lr(losses: dict[float, float]) -> tuple[float, str]:
     return math.exp(min(max(vertex, x0), x2)), "parabola vertex"
 
 
+def rounded(lr: float) -> float:
+    """An lr as the ladder names runs by it: 3 significant figures."""
+    return float(f"{lr:.3g}")
+
+
+def widening(losses: dict[float, float], first: list[float], widen: int) -> float | None:
+    """The next lr of a sweep (`losses`: lr -> final loss, inf where it diverged) whose lowest loss lies at an end of
+    the lrs tried: beyond that end by the ratio of the two lrs there; None when the lowest lies between two others
+    (or just below an lr that diverged), or when `widen` lrs already lie beyond the end of the `first` lrs on that
+    side."""
+    finite = {lr: loss for lr, loss in losses.items() if math.isfinite(loss)}
+    if not finite:
+        return None
+    lrs = sorted(losses)
+    best = min(finite, key=finite.get)
+    if best == lrs[0] and len(lrs) >= 2 and sum(lr < min(first) for lr in lrs) < widen:
+        return rounded(lrs[0] * lrs[0] / lrs[1])
+    if best == lrs[-1] and len(lrs) >= 2 and sum(lr > max(first) for lr in lrs) < widen:
+        return rounded(lrs[-1] * lrs[-1] / lrs[-2])
+    return None
+
+
 @dataclass(frozen=True)
 class LrRule:
     against: str  # "width" (d_model) or "params"
@@ -37,12 +59,15 @@ class LrRule:
     log_c: float
     fitted_slope: bool
     points: tuple[tuple[float, float], ...]  # (size, best lr) of the swept rungs
+    slope_se: float | None = None  # the fitted slope's standard error (3 points or more)
 
     def lr(self, size: float) -> float:
         return math.exp(self.log_c + self.slope * math.log(size))
 
     def describe(self) -> str:
         how = "fitted" if self.fitted_slope else "fixed in the ladder file"
+        if self.slope_se is not None:
+            how += f", standard error {self.slope_se:.3f}"
         size = "d_model" if self.against == "width" else "params"
         return (f"lr = {math.exp(self.log_c):.4g} x {size}^{self.slope:+.3f} (slope {how}; from {len(self.points)} "
                 f"swept rung(s))")
@@ -59,9 +84,14 @@ def fit_rule(points: list[tuple[float, float]], against: str, slope: float | Non
                             f"or fix lr.slope in the ladder file")
         mean_x = sum(x for x, _ in logs) / len(logs)
         mean_y = sum(y for _, y in logs) / len(logs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in logs) / sum((x - mean_x) ** 2 for x, _ in logs)
+        spread = sum((x - mean_x) ** 2 for x, _ in logs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in logs) / spread
         fitted = True
     else:
         fitted = False
     log_c = sum(y - slope * x for x, y in logs) / len(logs)
-    return LrRule(against, slope, log_c, fitted, tuple(points))
+    se = None
+    if fitted and len(logs) >= 3:
+        residual = sum((y - log_c - slope * x) ** 2 for x, y in logs)
+        se = math.sqrt(residual / (len(logs) - 2) / spread)
+    return LrRule(against, slope, log_c, fitted, tuple(points), se)
