@@ -12,13 +12,15 @@ if sys.argv[1:2] == ["train"]:
 from collections.abc import Callable
 
 from lm.commands import OWN_ARGV, POSITIONAL, find_command, function_parser, load_command, members, usage, word_groups
-from lm.config_errors import error_line
+from lm.config_errors import check_config_files, error_line
 from lm.errors import WRITE_FAILED_EXIT_CODE, CheckpointWriteFailed, Diverged, UserError
 from lm.training.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
+from lm.workers import Stopped
 
 
 def call_with_args(fn: Callable, argv: list[str], prog: str, positional: bool = False):
     """Parse argv against fn's signature (and --config YAML), then call fn."""
+    check_config_files(argv)  # a YAML syntax error names its file and line
     parser = function_parser(fn, prog, positional)
     try:
         namespace = parser.parse_args(argv)
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         if stop_request.is_rank_zero():  # every rank stops; one says so
             print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
                   file=sys.stderr)
+        return STOPPED_EXIT_CODE
+    except Stopped as stop:  # a command's worker jobs (lm.workers), stopped with it
+        print(f"lm {name}: {stop}", file=sys.stderr)
         return STOPPED_EXIT_CODE
     except CheckpointWriteFailed as err:
         if err.rank == 0:

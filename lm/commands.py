@@ -4,6 +4,7 @@ this module stays in the foundation: it imports nothing of lm above it."""
 
 import difflib
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,8 +43,8 @@ COMMANDS = {
                         "perplexity and per-position NLL of a checkpoint on validation shards", "eval"),
     "eval harness": Command("lm.eval.run_harness:harness", "lm-evaluation-harness tasks or a suite "
                             "(eval/suites: standard, recall, long) on a checkpoint", "eval"),
-    "eval longctx": Command("lm.eval.longctx.grid:longctx", "long-context probes (passkey, needles, MQAR, variable "
-                            "tracking): length x depth grids, lm-eval tasks", "eval"),
+    "eval longctx": Command("lm.eval.longctx.grid:longctx", "long-context probes (passkey, needles, MQAR, variables): "
+                            "length x depth grids, lm-eval tasks", "eval"),
     "eval passkey": Command("lm.eval.longctx.passkey:passkey",
                             "train a tiny attention model on passkey retrieval, then grid it (a check of the probes)",
                             "eval"),
@@ -54,6 +55,8 @@ COMMANDS = {
                               "accuracy against recurrent state size", "eval"),
     "eval icl": Command("lm.eval.icl:icl", "in-context linear regression: each mixer's loss by position against "
                         "ridge and one GD step", "eval"),
+    "eval state-tracking": Command("lm.eval.state_tracking:state_tracking", "parity, S3 and S5 word problems: each "
+                                   "mixer's accuracy at 1x, 2x, 4x its training length", "eval"),
     "eval tasks": Command("lm.eval.shipped_tasks:eval_tasks", "lm's own lm-eval tasks: names and folder (--path "
                           "true: the folder for lm_eval --include_path)", "eval"),
     "compare plan": Command("lm.compare.plan:plan", "shapes matched in parameters or FLOPs, tokens per budget, "
@@ -94,12 +97,12 @@ COMMANDS = {
                                 "check of Mesa's Triton kernels vs the call it guards", "bench"),
     "bench hf-generate": Command("lm.bench.hf_generate:bench_hf_generate", "transformers' generate() on lm models "
                                  "vs LanguageModel.generate: cache bytes, tokens/s", "bench"),
-    "research mesa-ablation": Command("lm.bench.mesa_ablation:mesa_ablation", "Mesa's variants (output scale, v conv, "
-                                      "heads, Lambda, CG steps) vs Gated DeltaNet, 3 seeds", "research"),
-    "research test-time": Command("lm.eval.test_time:test_time", "Mesa checkpoints at CG steps 0-30 and tolerances: "
-                                  "loss, NLL by position, recall vs FLOPs/token", "research"),
-    "research ab": Command("lm.bench.op_ab:bench_ab", "a sequence op of the working tree vs the same op at a git "
-                           "revision: old / new time, one run", "research"),
+    "research mesa-ablation": Command("lm.research.mesa_ablation:mesa_ablation", "Mesa's variants (output scale, v "
+                                      "conv, heads, Lambda, CG steps) vs Gated DeltaNet, 3 seeds", "research"),
+    "research test-time": Command("lm.research.cg_at_inference:cg_at_inference", "Mesa checkpoints at CG steps 0-30 "
+                                  "and tolerances: loss, NLL by position, recall vs FLOPs/token", "research"),
+    "research ab": Command("lm.research.revision_ab:revision_ab", "a sequence op of the working tree vs the same op at "
+                           "a git revision: old / new time, one run", "research"),
 }
 # These parse their own argv (a run config; options followed by `--` and a command; a list of run directories).
 OWN_ARGV = {"train", "slurm submit", "compare report"}
@@ -162,10 +165,17 @@ def load_command(name: str) -> Callable:
     return getattr(importlib.import_module(module), function)
 
 
+def summary(fn: Callable) -> str:
+    """The first paragraph of fn's docstring, on one line: a summary may wrap onto a second line."""
+    return " ".join(inspect.cleandoc(fn.__doc__ or "").split("\n\n")[0].split())
+
+
 def function_parser(fn: Callable, prog: str, positional: bool = False) -> ArgumentParser:
-    """A parser of fn's signature (and --config YAML); required arguments by position if `positional`."""
+    """A parser of fn's signature (and --config YAML); required arguments by position if `positional`. Its options
+    are not grouped: jsonargparse would title the group with the docstring's first line, cut mid-sentence where the
+    summary wraps, and repeat the description."""
     parser = ArgumentParser(prog=prog, exit_on_error=False, allow_abbrev=False,  # --step is no --steps
-                            description=(fn.__doc__ or "").split("\n")[0])
+                            description=summary(fn))
     parser.add_argument("--config", action=ActionConfigFile)
-    parser.add_function_arguments(fn, as_positional=positional)
+    parser.add_function_arguments(fn, as_positional=positional, as_group=False)
     return parser

@@ -1,4 +1,5 @@
-"""jsonargparse's errors as one line, with the closest valid key suggested for an unknown one.
+"""jsonargparse's errors as one line, with the closest valid key suggested for an unknown one; a YAML file's syntax
+error as "PATH, line N: what" (PyYAML names the text it parsed "<unicode string>").
 
 Its own file so that a command's bad argument is reported without importing torch and Lightning
 (lm.training.config does).
@@ -8,8 +9,12 @@ import difflib
 import re
 import types
 import typing
+from pathlib import Path
 
+import yaml
 from jsonargparse import ArgumentParser
+
+from lm.errors import UserError
 
 # Names other tools give lm's settings, each group in the order suggested: an unknown key that is one of them is
 # answered with the first of the group the parser has (in the key's own section if it has one), before any look-alike.
@@ -67,6 +72,64 @@ def synonym(name: str, keys: list[str]) -> str | None:
     return None
 
 
+def yaml_problem(err: yaml.YAMLError, text: str = "") -> str:
+    """PyYAML's error as "line N: what (while parsing ... from line M)", without its "<unicode string>" marks."""
+    if isinstance(err, yaml.reader.ReaderError):  # a character YAML does not allow, at a position of `text`
+        line = text.count("\n", 0, err.position) + 1
+        return f"{f'line {line}: ' if text else ''}character #x{err.character:04x}: {err.reason}"
+    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+        return " ".join(str(err).split())
+    where, what = err.problem_mark.line + 1, " ".join((err.problem or "").split())
+    if err.context:
+        started = err.context_mark.line + 1 if err.context_mark is not None else where
+        what += f" ({err.context}{f' from line {started}' if started != where else ''})"
+    return f"line {where}: {what}"
+
+
+def load_yaml(path: str | Path):
+    """The YAML file at `path`, parsed; a syntax error (or text that is not UTF-8) as a UserError, one line naming
+    the file as given: "configs/x.yaml, line 10: what"."""
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start}), which a YAML file must be") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise UserError(f"{path}, {yaml_problem(err, text)}") from None
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Each `--config FILE` (or `--config=FILE`) of argv that names a file must parse as YAML: its syntax error is said
+    with the file's name and line before jsonargparse, which reads files as strings, says it without them."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        else:
+            continue
+        if Path(path).is_file():
+            load_yaml(path)
+
+
+def yaml_error_line(parser: ArgumentParser, err: Exception) -> str | None:
+    """A YAML syntax error in a file the parser read by itself (its default_config_files, such as lm slurm submit's
+    site file) as load_yaml says it; None for other errors."""
+    cause = err
+    while cause is not None and not isinstance(cause, yaml.YAMLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    for path in getattr(parser, "default_config_files", None) or []:
+        try:
+            if Path(path).is_file():
+                load_yaml(path)
+        except UserError as found:
+            return str(found)
+    return f"YAML {yaml_problem(cause)}"
+
+
 def known_keys(parser: ArgumentParser) -> list[str]:
     """Every dotted key the parser accepts (model.d_model, optim.lr, ...)."""
     keys = []
@@ -93,6 +156,8 @@ def error_line(parser: ArgumentParser, err: Exception) -> str:
         return "; ".join(hints)
     if typed := type_error(parser, message):
         return typed
+    if in_yaml := yaml_error_line(parser, err):
+        return in_yaml
     return message[:400]
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from lm.errors import UserError
 from lm.model import LMConfig
-from lm.output import write_json
+from lm.output import user_mode, write_json
 from lm.training.checkpoint import resolve_checkpoint, run_dir_of
 from lm.training.consolidate import consolidate
 
@@ -23,6 +23,7 @@ def save_pretrained(state_dict: dict, config: LMConfig, out: str | Path, tokeniz
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}, str(out / WEIGHTS),
               metadata={"format": "pt"})
+    user_mode(out / WEIGHTS)
     write_json(out / CONFIG, asdict(config))
     if tokenizer is not None and Path(tokenizer).is_file():
         shutil.copyfile(tokenizer, out / TOKENIZER)

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from lm.context_parallel import ContextGroup
 from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
+from lm.mixers.context_parallel import ContextGroup, mix_in_context
 from lm.mixers.layers import residual_output
 from lm.ops.cross_entropy import head_cross_entropy
 
@@ -28,7 +28,11 @@ class LMConfig:
         head_dim: Key size per head (the paper uses 128).
         mixer: Name in ``lm.mixers.MIXERS`` used by every layer unless ``layer_pattern`` is given.
         mixer_options: Keyword options per mixer name, e.g. ``{"attention": {"n_kv_heads": 2}}``.
-        layer_pattern: Comma-separated mixer names repeated over the depth, e.g. ``"mesa,attention"``.
+        layer_pattern: Comma-separated mixer names repeated over the depth, e.g. ``"mesa,attention"``; n_layers must
+            be a whole number of patterns, unless ``cycle_pattern`` says otherwise.
+        cycle_pattern: Let a ``layer_pattern`` that does not tile n_layers be cut at the depth (its first layers
+            repeated: "gated_deltanet,attention" over 3 layers is two Gated DeltaNet and one attention). Without it
+            that is refused, since a cut pattern changes the model's mix of mixers (3:1 over 2 layers has no attention).
         mlp_ratio: SwiGLU hidden width as a multiple of d_model (3 gives the paper's 9 d^2 parameters).
         tie_embeddings: Share the embedding matrix with the output head.
         logit_soft_cap: Logits become ``cap * tanh(logits / cap)``; None disables it.
@@ -48,6 +52,7 @@ class LMConfig:
     mixer: str = "attention"
     mixer_options: dict[str, dict] = field(default_factory=dict)
     layer_pattern: str | None = None
+    cycle_pattern: bool = False
     mlp_ratio: float = 3.0
     tie_embeddings: bool = True
     logit_soft_cap: float | None = 30.0
@@ -67,6 +72,12 @@ class LMConfig:
             if name not in MIXERS:
                 raise UserError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
             self._check_mixer(name)
+        pattern = self.pattern()
+        if self.n_layers % len(pattern) and not self.cycle_pattern:
+            raise UserError(f"model.layer_pattern has {len(pattern)} layers ({', '.join(pattern)}), which do not tile "
+                            f"model.n_layers {self.n_layers}: the model would be {mixer_counts(self.layer_mixers())}. "
+                            f"Make n_layers a multiple of {len(pattern)}, or set model.cycle_pattern true to cut the "
+                            "pattern on purpose")
 
     def _check_mixer(self, name: str) -> None:
         """Options against the mixer's Options (names, types), then a build on the meta device (no memory, no init
@@ -81,10 +92,22 @@ class LMConfig:
         except (MixerOptionError, ValueError) as err:
             raise UserError(f"model.mixer_options.{name}: {err}") from None
 
+    def pattern(self) -> list[str]:
+        """The mixer names of ``layer_pattern``, else ``[mixer]``."""
+        return [s.strip() for s in self.layer_pattern.split(",")] if self.layer_pattern else [self.mixer]
+
     def layer_mixers(self) -> list[str]:
-        """The mixer name of every layer: ``layer_pattern`` cycled over the depth, else ``mixer`` everywhere."""
-        pattern = [s.strip() for s in self.layer_pattern.split(",")] if self.layer_pattern else [self.mixer]
+        """The mixer name of every layer: ``layer_pattern`` repeated over the depth, else ``mixer`` everywhere."""
+        pattern = self.pattern()
         return [pattern[i % len(pattern)] for i in range(self.n_layers)]
+
+    def layer_summary(self) -> str:
+        """The layers' mixers in words, as `lm train` starts by saying: "4 layers: gated_deltanet x3, attention x1"
+        (each mixer's count, in the order of the pattern), with the cut said where cycle_pattern cut it."""
+        pattern = self.pattern()
+        cut = f" (cycled: the {len(pattern)}-layer pattern cut at {self.n_layers})" \
+            if self.n_layers % len(pattern) else ""
+        return f"{self.n_layers} layer{'s' * (self.n_layers != 1)}: {mixer_counts(self.layer_mixers())}{cut}"
 
     def unused_mixer_options(self) -> list[str]:
         """The mixers that ``mixer_options`` has options for but no layer uses."""
@@ -98,6 +121,11 @@ class LMConfig:
     @property
     def mlp_hidden(self) -> int:
         return int(round(self.mlp_ratio * self.d_model))
+
+
+def mixer_counts(mixers: list[str]) -> str:
+    """"gated_deltanet x3, attention x1": each name's count, in the order of first appearance."""
+    return ", ".join(f"{name} x{mixers.count(name)}" for name in dict.fromkeys(mixers))
 
 
 class SwiGLU(nn.Module):
@@ -123,7 +151,7 @@ class Block(nn.Module):
 
     def forward(self, x, state=None, reset=None, context: ContextGroup | None = None, recompute: bool = False):
         """(x after the block, the mixer's state). With `context` (context parallelism) x is this rank's piece of
-        each window, and the mixer exchanges what it needs with the group (lm.context_parallel); no state is
+        each window, and the mixer exchanges what it needs with the group (lm.mixers.context_parallel); no state is
         returned. `recompute`: keep only the input and run again in the backward pass (activation checkpointing),
         the exchange included, which every rank of the group recomputes in the same order."""
         if recompute:
@@ -134,7 +162,7 @@ class Block(nn.Module):
         if context is None:
             y, state = self.mixer(self.mixer_norm(x), state, reset)
         else:
-            y, state = self.mixer.mix_in_context(self.mixer_norm(x), reset, context), None
+            y, state = mix_in_context(self.mixer, self.mixer_norm(x), reset, context), None
         x = x + y
         return x + self.mlp(self.mlp_norm(x)), state
 

@@ -1,4 +1,4 @@
-"""Writing results: a file replaced whole or not at all, JSON, and Markdown tables."""
+"""Writing results: a file replaced whole or not at all, JSON, Markdown tables, and the user's file mode."""
 
 import json
 import os
@@ -11,6 +11,26 @@ def write_atomically(path: Path, write) -> None:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
     write(tmp)
     tmp.replace(path)
+
+
+def umask() -> int:
+    """This process's umask: read from /proc where Linux gives it, else set and put back (os.umask alone cannot read
+    it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def user_mode(path: Path) -> None:
+    """Give `path` the mode that open() gives a new file, 0666 less the umask: for a file a library wrote through a
+    private temporary file (safetensors' save_file writes 0600 whatever the umask)."""
+    os.chmod(path, 0o666 & ~umask())
 
 
 def write_json(path: Path, value, indent: int = 2) -> None:

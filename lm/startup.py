@@ -4,11 +4,15 @@
 - transformers' `AutoConfig` and `AutoModelForCausalLM` for model_type "lm" (the directories `lm export --format hf`
   writes), so that `AutoModelForCausalLM.from_pretrained(DIR)` and lm-eval's `hf` model load them.
 
+And one setting, for the same processes: DeepSpeed's log goes to stderr rather than stdout, where its notice at import
+("Setting accelerator to CPU") would mix with what `lm eval ppl`, `lm export`, `lm generate` or `lm_eval --model lm`
+print as their result (stdout carries only that).
+
 Neither library reads entry points for this, so installing `lm` adds a .pth file (`lm_startup.pth`, see
 hatch_build.py) that calls `install()` at interpreter start. It only adds an import finder: nothing of lm-eval,
-transformers or torch is imported until the library itself is. When one of the modules below is first imported, the
-finder runs its registration right after it. lm-eval's own models are registered first (its get_model loads them only
-while the registry is empty).
+transformers, DeepSpeed or torch is imported until the library itself is. When one of the modules below is first
+imported, the finder runs its registration right after it. lm-eval's own models are registered first (its get_model
+loads them only while the registry is empty).
 """
 
 import sys
@@ -42,11 +46,29 @@ def register_hf_model(modeling_auto) -> None:
     mapping._modules[MODEL_TYPE] = importlib.import_module("lm.hf.auto_model")
 
 
+def deepspeed_log_to_stderr(logging_module) -> None:
+    """DeepSpeed's logger ("DeepSpeed") writes through its own handler to stdout, and logs at import: the handler
+    writes to stderr instead (where Python's logging writes by default), and its notice on every CPU-only machine
+    ("Setting accelerator to CPU") is dropped, as `lm train` drops it (lm.training.console), so that a command's
+    one-line error stays one line."""
+    import logging
+
+    from lm.training.console import BANNERS, DropMessages
+
+    logger = logging.getLogger("DeepSpeed")
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    if not any(isinstance(f, DropMessages) for f in logger.filters):
+        logger.addFilter(DropMessages(BANNERS["DeepSpeed"]))
+
+
 # module name -> what to register once it has been imported
 HOOKS = {
     "lm_eval.api.registry": register_lm_eval_model,
     "transformers.models.auto.configuration_auto": register_hf_config,
     "transformers.models.auto.modeling_auto": register_hf_model,
+    "deepspeed.utils.logging": deepspeed_log_to_stderr,  # before deepspeed's __init__ gets to its first notice
 }
 
 

@@ -44,16 +44,41 @@ def one_thread():
 
 # `make test` runs the suite in two pytest-xdist workers, one per core (`-n 2 --dist loadfile --no-loadscope-reorder`):
 # a worker takes a whole test file, so that a module's fixtures are made once, and the next file in this order when it
-# is done. The files with the longest fixtures or launches go first, so that neither worker is left with a long one at
-# the end while the other idles; the rest follow in pytest's order.
-LONG_FILES = ["test_scale_out", "test_mqar", "test_slurm", "test_train", "test_full_disk", "test_harness",
-              "test_kernel_self_check", "test_gpu_script", "test_context_parallel_train", "test_context_parallel",
-              "test_ladder", "test_progress"]
+# is done. The files that took longest go first, so that neither worker is left with a long one at the end while the
+# other idles. The durations are the suite's own: every run adds up each file's setup, call and teardown times and
+# records them in tests/durations.json (merged with what it holds: a run of some files updates those). A file it does
+# not know yet goes first, as a long one might.
+DURATIONS = Path(__file__).with_name("durations.json")
+_spent: dict[str, float] = {}
+
+
+def recorded_durations() -> dict[str, float]:
+    try:
+        return json.loads(DURATIONS.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(LONG_FILES)))  # stable: pytest's order within a file
+    known = recorded_durations()
+    # stable: pytest's order within a file
+    items.sort(key=lambda item: -known.get(item.path.name, float("inf")))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's phases, added to its file's time (in the process that writes the file: xdist's controller, which
+    receives every worker's reports, or the one process)."""
+    name = Path(report.nodeid.split("::")[0]).name
+    _spent[name] = _spent.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    whole_files = not config.option.keyword and not any("::" in arg for arg in config.args)
+    if hasattr(config, "workerinput") or not _spent or not whole_files or session.shouldstop or session.shouldfail:
+        return  # a worker, nothing ran, part of a file ran, or the run stopped early (its times would be short)
+    DURATIONS.write_text(json.dumps({**recorded_durations(), **{k: round(v, 1) for k, v in _spent.items()}},
+                                    indent=1, sort_keys=True) + "\n")
 
 
 def made_once(request: pytest.FixtureRequest, tmp_path_factory, name: str, make: Callable[[Path], object]):

@@ -16,7 +16,9 @@ STRATEGIES = {
     "zero3": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "3", "--strategy.devices", "2"],
     "fsdp2": ["--strategy.name", "fsdp", "--strategy.devices", "2"],
 }
-ONE_PROCESS = ["--data.micro_batch", "4"]  # the same global batch of 4 sequences as 2 processes x 2
+# The same global batch of 4 sequences as 2 processes x 2, in 2 micro-batches of 2: the loss and gradient norm that
+# one process logs for a step are then those of both (tests/test_scale_out.py).
+ONE_PROCESS = ["--data.micro_batch", "2"]
 def base_config(tmp: Path, data: str, steps: int = 4, ckpt_every: int = 2) -> Path:
     path = tmp / "base.yaml"
     path.write_text(f"""

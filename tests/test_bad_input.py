@@ -29,6 +29,9 @@ TRAIN = ["train", "--config", "train.yaml"]
 SUBMIT = ["slurm", "submit", "--dry_run"]
 TRAIN_ARGS = ["--", "--config", "train.yaml"]
 PLAN = ["compare", "plan", "--archs", "attention", "--params", "1e5", "--base", "train.yaml", "--out", "plan"]
+BAD_YAML = "model:\n  d_model: 32\n\tn_layers: 2\n"  # a tab starts line 3
+IN_BAD_YAML = "bad.yaml, line 3: found character '\\t' that cannot start any token"
+THREE_TO_ONE = "gated_deltanet,gated_deltanet,gated_deltanet,attention"
 
 # (argv, a part of the one line expected on stderr); paths are relative to the working directory.
 CASES = {
@@ -41,6 +44,7 @@ CASES = {
     "prepare-task-out-of-range": (["prepare", "--tasks", "2", "--task", "2", "--out", "prepared"], "out of range"),
     "prepare-merge-without-a-plan": (["prepare", "--tasks", "2", "--merge", "true", "--out", "data"], "no plan"),
     "prepare-missing-recipe": (["prepare", "--recipe", "nowhere.yaml", "--out", "prepared"], "nowhere.yaml"),
+    "prepare-recipe-yaml-syntax": (["prepare", "--recipe", "bad.yaml", "--out", "prepared"], IN_BAD_YAML),
     # lm train
     "train-negative-lr": ([*TRAIN, "--optim.lr", "-1"], "optim.lr"),
     "train-beta-above-one": ([*TRAIN, "--optim.betas", "[0.9, 1.5]"], "optim.betas"),
@@ -51,6 +55,11 @@ CASES = {
                                          "nowhere"], "eval.include_path nowhere"),
     "train-unknown-key": ([*TRAIN, "--trainer.max_stepz", "5"], "unknown config key 'trainer.max_stepz'"),
     "train-missing-config": (["train", "--config", "nowhere.yaml"], "nowhere.yaml"),
+    "train-yaml-syntax": (["train", "--config", "bad.yaml"], f"lm train: error: {IN_BAD_YAML}"),
+    "train-yaml-syntax-after-a-good-file": ([*TRAIN, "--config=bad.yaml"], f"lm train: error: {IN_BAD_YAML}"),
+    "train-pattern-cut-by-the-depth": ([*TRAIN, "--model.layer_pattern", THREE_TO_ONE, "--model.n_layers", "2"],
+                                       "model.layer_pattern has 4 layers (gated_deltanet, gated_deltanet, "
+                                       "gated_deltanet, attention), which do not tile model.n_layers 2"),
     "train-missing-data": ([*TRAIN, "--data.path", "nowhere"], "nowhere"),
     "train-zero-micro-batch": ([*TRAIN, "--data.micro_batch", "0"], "data.micro_batch"),
     "train-zero-steps": ([*TRAIN, "--trainer.max_steps", "0"], "trainer.max_steps"),
@@ -83,6 +92,7 @@ CASES = {
     "ppl-zero-multiple": (["eval", "ppl", "--checkpoint", "run", "--multiples", "[0]"], "multiples"),
     "ppl-missing-data": (["eval", "ppl", "--checkpoint", "run", "--data", "nowhere"], "nowhere"),
     "ppl-out-is-a-file": (["eval", "ppl", "--checkpoint", "run", "--out", "file.txt"], "file.txt"),
+    "ppl-yaml-syntax": (["eval", "ppl", "--config", "bad.yaml"], f"lm eval ppl: error: {IN_BAD_YAML}"),
     # lm eval harness
     "harness-missing-checkpoint": (["eval", "harness", "--checkpoint", "nowhere", "--tasks", "[lambada_openai]"],
                                    "nowhere"),
@@ -120,6 +130,14 @@ CASES = {
                                     "--cell 999"),
     "mqar-grid-negative-lr": (["eval", "mqar-grid", "--quick", "true", "--out", "grid", "--lrs", "[-0.001]"], "lrs"),
     "mqar-grid-out-is-a-file": (["eval", "mqar-grid", "--quick", "true", "--out", "file.txt"], "file.txt"),
+    # lm eval state-tracking
+    "state-tracking-unknown-task": (["eval", "state-tracking", "--tasks", "[s4]", "--out", "st"], "s4"),
+    "state-tracking-unknown-model": (["eval", "state-tracking", "--models", "[deltanett]", "--out", "st"],
+                                     "deltanett"),
+    "state-tracking-bad-beta-range": (["eval", "state-tracking", "--models", '["deltanet@beta_range=[0,3]"]',
+                                       "--out", "st"], "beta_range"),
+    "state-tracking-out-is-a-file": (["eval", "state-tracking", "--models", "[deltanet]", "--out", "file.txt"],
+                                     "file.txt"),
     # lm eval icl
     "icl-zero-steps": (["eval", "icl", "--out", "icl", "--steps", "0"], "steps"),
     "icl-negative-lr": (["eval", "icl", "--out", "icl", "--lr", "-1"], "--lr must be positive"),
@@ -140,9 +158,9 @@ CASES = {
     "bench-context-pieces-not-dividing": (["bench", "context", "--T", "30", "--pieces", "[1, 4]"], "--pieces"),
     "bench-context-unknown-mixer": (["bench", "context", "--mixers", "[nope]"], "--mixers"),
     "bench-plan-memory-context-not-dividing": (["bench", "plan-memory", "--configs", "[train.yaml]",
-                                                "--context_parallel", "3"], "context_parallel 3 must divide"),
+                                                "--context_parallel", "3"], "context_parallel 3 does not divide"),
     "bench-plan-memory-zero-context": (["bench", "plan-memory", "--configs", "[train.yaml]", "--context_parallel", "0"],
-                                       "context_parallel 0 must divide"),
+                                       "context_parallel must be a number"),
     "bench-data-zero-seq-len": (["bench", "data", "--seq_len", "0"], "seq_len"),
     "bench-data-missing-data": (["bench", "data", "--data", "nowhere"], "nowhere"),
     "bench-peers-zero-steps": (["bench", "peers", "--steps", "0"], "steps"),
@@ -173,6 +191,7 @@ CASES = {
     "slurm-submit-negative-signal": ([*SUBMIT, "--signal_seconds", "-1", *TRAIN_ARGS], "signal_seconds"),
     "slurm-submit-negative-lr": ([*SUBMIT, *TRAIN_ARGS, "--optim.lr", "-1"], "optim.lr"),
     "slurm-submit-missing-sweep": ([*SUBMIT, "--array", "nowhere.yaml"], "nowhere.yaml"),
+    "slurm-submit-sweep-yaml-syntax": ([*SUBMIT, "--array", "bad.yaml"], IN_BAD_YAML),
     "slurm-submit-zero-tasks": ([*SUBMIT, "--kind", "eval", "--tasks", "0", "--", "mqar-grid", "--out", "grid"],
                                 "--tasks"),
     "slurm-submit-prepare-without-tasks": ([*SUBMIT, "--kind", "prepare", "--", "--out", "prepared"], "--tasks N"),
@@ -184,6 +203,7 @@ CASES = {
     "compare-plan-unknown-arch": (["compare", "plan", "--archs", "nope", "--params", "1e6", "--out", "plan"], "nope"),
     "compare-plan-negative-lr": ([*PLAN, "--lrs", "[-0.001]"], "--lrs"),
     "compare-plan-missing-base": ([*PLAN, "--base", "nowhere.yaml"], "nowhere.yaml"),
+    "compare-plan-base-yaml-syntax": ([*PLAN, "--base", "bad.yaml"], IN_BAD_YAML),
     "compare-plan-zero-global-batch": ([*PLAN, "--global_batch", "0"], "global_batch"),
     "compare-plan-out-is-a-file": ([*PLAN, "--out", "file.txt"], "file.txt"),
     "compare-report-missing-run": (["compare", "report", "nowhere"], "nowhere"),
@@ -246,6 +266,7 @@ def template(kjv_data, tmp_path_factory) -> Path:
     write_manifest(checkpoint, manifest_of(checkpoint))  # as StepCheckpoint completes one
     (root / "train.yaml").write_text(TRAIN_YAML)
     (root / "file.txt").write_text("a plain file where a directory is expected\n")
+    (root / "bad.yaml").write_text(BAD_YAML)
     return root
 
 
@@ -413,6 +434,17 @@ def test_options_in_a_config_file_for_a_mixer_the_model_does_not_use_are_refused
     assert main(["train", "--config", str(base), "--run_dir", "run"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "lm train: error: model.mixer_options.swa: the model does not use swa (its mixers: attention)"]
+    assert tree_state(template) == before
+
+
+def test_a_site_file_with_a_yaml_syntax_error_is_named_with_its_line(template, tmp_path, monkeypatch, capsys):
+    """lm slurm submit reads its site file (LM_SLURM_SITE) itself, as defaults: a syntax error there names it too."""
+    monkeypatch.chdir(template)
+    monkeypatch.setenv("LM_SLURM_SITE", "bad.yaml")
+    before = tree_state(template)
+    assert main([*SUBMIT, *TRAIN_ARGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lm slurm submit: error: {IN_BAD_YAML}"), err
     assert tree_state(template) == before
 
 

@@ -1,7 +1,10 @@
 """Checkpoints are data, never code: a pickled payload put in any strategy's checkpoint (a plain file's
-hyperparameters, a DeepSpeed shard, an FSDP2 directory's metadata or meta.pt) is refused by every command that reads
-one, in one line naming what it asks for, with exit status 2, before the payload runs or anything is written."""
+hyperparameters, a DeepSpeed shard, an FSDP2 directory's metadata, meta.pt or an item inside a .distcp file) is
+refused by every command that reads one, in one line naming what it asks for, with exit status 2, before the payload
+runs or anything is written."""
 
+import dataclasses
+import io
 import os
 import pickle
 import shutil
@@ -57,10 +60,32 @@ def _plant_in_meta_pt(checkpoint: Path, payload: Payload) -> None:
     _retorch(checkpoint / "meta.pt", lambda c: c["hyper_parameters"].update(note=payload))
 
 
+def _plant_in_distcp_item(checkpoint: Path, payload: Payload) -> None:
+    """A non-tensor item of the optimizer state (DCP writes each as torch.save'd bytes inside a .distcp file, where the
+    metadata says): the payload's bytes appended to that file, and the item pointed at them."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    with open(checkpoint / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # noqa: S301 (our own file)
+    fqn = next(fqn for fqn, entry in metadata.state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata))
+    where = metadata.storage_data[MetadataIndex(fqn)]
+    shard = checkpoint / where.relative_path
+    original = torch.load(io.BytesIO(shard.read_bytes()[where.offset:where.offset + where.length]), weights_only=False)
+    item = io.BytesIO()
+    torch.save({"item": original, "note": payload}, item)
+    with open(shard, "ab") as f:
+        offset = f.tell()
+        f.write(item.getvalue())
+    metadata.storage_data[MetadataIndex(fqn)] = dataclasses.replace(where, offset=offset, length=len(item.getvalue()))
+    with open(checkpoint / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
 PLANTS = {"hparams": ("single", ONE_PROCESS, _plant_in_hparams),
           "deepspeed shard": ("zero2", STRATEGIES["zero2"], _plant_in_deepspeed_shard),
           "dcp metadata": ("fsdp2", STRATEGIES["fsdp2"], _plant_in_dcp_metadata),
-          "fsdp2 meta.pt": ("fsdp2", STRATEGIES["fsdp2"], _plant_in_meta_pt)}
+          "fsdp2 meta.pt": ("fsdp2", STRATEGIES["fsdp2"], _plant_in_meta_pt),
+          "dcp .distcp item": ("fsdp2", STRATEGIES["fsdp2"], _plant_in_distcp_item)}
 
 
 def _tree(path: Path) -> dict[str, tuple[int, int]]:

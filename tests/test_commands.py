@@ -1,8 +1,12 @@
 """The command table (lm/commands.py) and the help generated from it: every command listed once under its group,
 every entry loads, `lm GROUP` lists a group, and a command that moved is an unknown one with a pointer."""
 
+import ast
+import contextlib
 import importlib
+import io
 import re
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +43,45 @@ def test_every_entry_loads_to_a_function_of_lm():
         assert command.group in GROUPS and command.summary and "\n" not in command.summary, name
         assert " " not in name or name.split()[0] == command.group, name  # `lm eval ...` is in the group eval
     assert OWN_ARGV | POSITIONAL <= set(COMMANDS)
+
+
+def first_paragraphs() -> set[str]:
+    """The first paragraph of every docstring under lm/, on one line: what a help text summarises."""
+    paragraphs = set()
+    for path in (Path(__file__).resolve().parents[1] / "lm").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
+                paragraphs.add(" ".join(ast.get_docstring(node).split("\n\n")[0].split()))
+    return paragraphs
+
+
+def summaries(text: str) -> list[str]:
+    """A --help text's description and its groups' titles, each on one line (argparse wraps a description and ends a
+    title with ':'; a word broken after its hyphen is joined again)."""
+    blocks = re.sub(r"(\w-)\n *", r"\1", text).split("\n\n")[1:]  # after the usage
+    found = []
+    for block in blocks:
+        lines = block.splitlines()
+        if len(lines) > 1 and lines[1].startswith("  "):  # a group: its title, then its options
+            found.append(lines[0].removesuffix(":"))
+        elif not block.startswith(" "):
+            found.append(" ".join(block.split()))
+    return found
+
+
+def test_every_commands_help_summarises_in_whole_paragraphs():
+    """No description or group title in any command's --help stops where its docstring's first line wraps (as
+    "Defaults come from the site file ($LM_SLURM_SITE, else:" did)."""
+    paragraphs = first_paragraphs()
+    for name in COMMANDS:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            main([*name.split(), "--help"])
+        texts = summaries(out.getvalue())
+        assert texts and "options" in texts, (name, out.getvalue()[:2000])
+        for text in texts:
+            cut = [p for p in paragraphs if p.rstrip(".") != text.rstrip(".") and p.startswith(text.rstrip("."))]
+            assert not cut, f"lm {name} --help cuts short: {text!r} of {cut[0]!r}"
 
 
 def test_research_ab_has_its_help(capsys):

@@ -199,8 +199,8 @@ def test_data_sets_the_prepared_data_of_every_config(tmp_path, capsys):
 
 def test_a_variant_carries_its_options_and_a_tolerance_run_is_planned_at_its_expected_steps(tmp_path):
     """"mesa@cg_tol=1e-3" is Mesa with that option in its configs, matched as Mesa is; its planned FLOPs charge the
-    expected CG steps (Mesa.expected_cg_steps), not cg_steps, and the plan says so."""
-    from lm.mixers import MIXERS
+    expected CG steps (lm.ops.flops.expected_cg_steps), not cg_steps, and the plan says so."""
+    from lm.ops.flops import expected_cg_steps
 
     result = plan(archs="mesa,mesa@cg_tol=1e-3", params=3e6, vocab_size=4096, seq_len=256, out=str(tmp_path),
                   lrs=[1e-3])
@@ -208,7 +208,7 @@ def test_a_variant_carries_its_options_and_a_tolerance_run_is_planned_at_its_exp
     assert stopped["arch"] == "mesa@cg_tol=1e-3" and stopped["model"]["mixer_options"]["mesa"]["cg_tol"] == 1e-3
     assert {k: v for k, v in stopped["model"].items() if k != "mixer_options"} == \
         {k: v for k, v in fixed["model"].items() if k != "mixer_options"}
-    steps = MIXERS["mesa"].expected_cg_steps(30, 1e-3)
+    steps = expected_cg_steps(30, 1e-3)
     assert 0 < steps < 30
     at_steps = LMConfig(**{**fixed["model"], "mixer_options": {"mesa": {"cg_steps": steps}}})
     assert stopped["train_flops_per_token"] == train_flops_per_token(at_steps, 256) < fixed["train_flops_per_token"]
@@ -230,3 +230,25 @@ def test_a_context_parallel_base_plans_its_replicas_and_carries_the_split(tmp_pa
         config = parse_run_config(["--config", row["configs"][0]])[0]
         assert config.strategy.context_parallel == 4 and config.strategy.data_parallel_size == 2
         assert config.data.global_batch == 16 and config.data.seq_len == 32768
+
+
+THREE_TO_ONE = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "attention"]
+
+
+def test_a_hybrid_is_planned_in_whole_patterns(capsys):
+    """A 3:1 hybrid keeps its attention layer: where the reference attention model is 2 layers deep (the size at which
+    the plan once gave it 2 layers, both Gated DeltaNet) and at the paper's 145M (14 layers), it gets a depth of whole
+    4-layer patterns, within 2% of the target parameters. The first as `lm compare plan` is typed."""
+    from lm.cli import main
+
+    assert main(["compare", "plan", "--archs", f"[{'+'.join(THREE_TO_ONE)}]", "--params", "2e5", "--vocab_size", "512",
+                 "--dry_run", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "Reference: attention, d_model 80, 2 layers" in out
+    header = next(line for line in out.splitlines() if line.startswith("| arch |")).split(" | ")
+    row = next(line for line in out.splitlines() if line.startswith(f"| {'_'.join(THREE_TO_ONE)} |")).split(" | ")
+    assert int(row[header.index("n_layers")]) % 4 == 0 and abs(float(row[header.index("error vs target")][:-1])) <= 2
+    result = plan(archs=["+".join(THREE_TO_ONE)], params=1.46e8, dry_run=True)
+    cfg = LMConfig(**result["archs"][0]["model"])
+    assert cfg.n_layers in (12, 16) and cfg.layer_mixers() == THREE_TO_ONE * (cfg.n_layers // 4)
+    assert abs(param_count(cfg) / 1.46e8 - 1) <= 0.02

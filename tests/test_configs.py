@@ -20,10 +20,10 @@ def model_of(path: Path) -> LMConfig:
     return parse_run_config(["--config", str(path)])[0].model
 
 
-# bench/ and compare/ hold a command's settings (`--config` of `lm bench ...` or `lm compare ...`), not run configs;
-# so do ladder/'s ladder files (tests/test_ladder.py loads them), whose *_base.yaml are run configs, and data/'s
-# recipes (`lm prepare --recipe`; tests/test_prepare_parallel.py loads them).
-RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "compare", "data")
+# bench/, research/ and compare/ hold a command's settings (`--config` of `lm bench ...`, `lm research ...` or
+# `lm compare ...`), not run configs; so do ladder/'s ladder files (tests/test_ladder.py loads them), whose
+# *_base.yaml are run configs, and data/'s recipes (`lm prepare --recipe`; tests/test_prepare_parallel.py loads them).
+RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "research", "compare", "data")
                      and (p.parent.name != "ladder" or p.stem.endswith("_base")))
 
 
@@ -79,3 +79,31 @@ def test_formula_parameter_count_equals_the_built_model(arch, size):
     with torch.device("meta"):
         model = LanguageModel(cfg)
     assert param_count(cfg) == model.num_params()
+
+
+THREE_TO_ONE = "gated_deltanet,gated_deltanet,gated_deltanet,attention"
+
+
+def test_a_run_config_may_cut_its_pattern_only_by_saying_so(tmp_path):
+    """lm train's parser reads model.cycle_pattern (jsonargparse takes LMConfig's fields); without it the 3:1 pattern
+    over 2 layers is refused as the config is read."""
+    from lm.errors import UserError
+
+    config = tmp_path / "cut.yaml"
+    config.write_text(f"model: {{n_layers: 2, layer_pattern: '{THREE_TO_ONE}'}}\n")
+    with pytest.raises(UserError, match="do not tile model.n_layers 2"):
+        parse_run_config(["--config", str(config)])
+    model = parse_run_config(["--config", str(config), "--model.cycle_pattern", "true"])[0].model
+    assert model.cycle_pattern and model.layer_mixers() == ["gated_deltanet"] * 2
+
+
+def test_a_generated_hybrid_holds_whole_patterns(monkeypatch):
+    """The paper-size generator gives a hybrid whose pattern does not divide attention's depth (14 layers at 145M) the
+    nearest depth in whole patterns (12 or 16: the tie goes deeper), then matches its parameters by the MLP."""
+    monkeypatch.setitem(paper_sizes.HYBRIDS, "three_to_one", THREE_TO_ONE)
+    raw = yaml.safe_load(paper_sizes.config_text("three_to_one", "145m"))
+    cfg = LMConfig(**raw["model"])
+    attention = model_of(CONFIGS / "attention" / "145m.yaml")
+    assert attention.n_layers == 14 and cfg.n_layers == 16
+    assert cfg.layer_mixers() == THREE_TO_ONE.split(",") * 4
+    assert abs(param_count(cfg) / param_count(attention) - 1) <= 0.02

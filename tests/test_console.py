@@ -1,10 +1,22 @@
 """lm.training.console: Lightning's banners and tips and the known deprecation warnings are dropped, by logger and exact
 text, while other messages and warnings of the same loggers and categories still show. (A real run's console:
-tests/test_progress.py and tests/test_demo.py.)"""
+tests/test_progress.py and tests/test_demo.py.) What `lm train` says first (the parameters and each layer's mixer), a
+command's stdout that holds its result alone (libraries' notices on stderr), and a run's files under the user's
+umask."""
 
+import contextlib
+import io
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
+import pytest
+import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info as fabric_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -67,3 +79,80 @@ def test_without_the_filters_the_deprecation_is_there():
         warnings.simplefilter("always")
         _tree_flatten(1)
     assert any("`isinstance(treespec, LeafSpec)` is deprecated" in str(w.message) for w in caught)
+
+
+THREE_TO_ONE = "gated_deltanet,gated_deltanet,gated_deltanet,attention"
+UMASK = 0o027  # the run's: neither the usual 022 nor what a library's private temporary file has (0600)
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(kjv_data, tmp_path_factory) -> tuple[Path, list[str]]:
+    """One optimizer step and a checkpoint of a 3:1 hybrid, by `lm train` in this process under UMASK: its run
+    directory and the lines it wrote on stderr."""
+    from lm.cli import main
+
+    folder = tmp_path_factory.mktemp("console")
+    config = folder / "hybrid.yaml"
+    config.write_text(f"""
+run_dir: {folder / "run"}
+model: {{vocab_size: 512, d_model: 32, n_layers: 4, n_heads: 2, head_dim: 16, max_seq_len: 32,
+        layer_pattern: "{THREE_TO_ONE}"}}
+data: {{path: {kjv_data}, seq_len: 32, micro_batch: 2, num_workers: 0, val_windows: 2}}
+strategy: {{accelerator: cpu}}
+trainer: {{max_steps: 1, val_every: 1, ckpt_every: 1, log_every: 1, progress_bar: false}}
+""")
+    err, previous = io.StringIO(), os.umask(UMASK)
+    try:
+        with contextlib.redirect_stderr(err):
+            assert main(["train", "--config", str(config)]) == 0
+    finally:
+        os.umask(previous)
+    return folder / "run", err.getvalue().splitlines()
+
+
+def test_lm_train_starts_by_saying_the_parameter_count_and_each_layers_mixer(hybrid_run):
+    """The count is the checkpoint's: every tensor it holds is a parameter (the tied head is stored once)."""
+    run, err = hybrid_run
+    (checkpoint,) = (run / "checkpoints").glob("step=*.ckpt")
+    weights = torch.load(checkpoint, weights_only=True)["state_dict"]
+    count = sum(tensor.numel() for tensor in weights.values())
+    said = [line for line in err if line.startswith("lm train: ")]
+    assert said[0] == f"lm train: {count:,} parameters; 4 layers: gated_deltanet x3, attention x1", err
+
+
+def test_deepspeeds_log_goes_to_stderr_in_any_process():
+    """DeepSpeed logs through a handler of its own on stdout, at import too ("Setting accelerator to CPU"): the
+    start-up hook that installing lm adds (lm/startup.py) sends it to stderr in every process of this environment,
+    lm's commands and lm_eval's alike, and drops that CPU notice (a one-line error stays one line)."""
+    code = "import logging, deepspeed; logging.getLogger('DeepSpeed').warning('a DeepSpeed warning')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "" and "a DeepSpeed warning" in done.stderr
+    assert "Setting accelerator to CPU" not in done.stderr
+
+
+def test_a_commands_stdout_is_its_result_alone(hybrid_run, tmp_path, capfd):
+    """`lm eval ppl`'s stdout is its JSON, `lm export`'s its one line, `lm generate`'s the text (fds 1 and 2 captured,
+    libraries' writes included); a fresh process's DeepSpeed notice: the test above."""
+    from lm.cli import main
+    from lm.generate import generate_text
+
+    run, _ = hybrid_run
+    (checkpoint,) = (run / "checkpoints").glob("step=*.ckpt")
+    assert main(["eval", "ppl", "--checkpoint", str(run), "--max_windows", "2", "--out", str(tmp_path / "ppl")]) == 0
+    result = json.loads(capfd.readouterr().out)
+    assert math.isclose(result["ppl"], math.exp(result["loss"]), rel_tol=1e-6)
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert capfd.readouterr().out.splitlines() == [f"exported {checkpoint} -> {tmp_path / 'hf'} (hf format)"]
+    prompt = ["--prompt", "In the", "--max_new_tokens", "4", "--temperature", "0"]
+    assert main(["generate", "--checkpoint", str(run), *prompt]) == 0
+    assert capfd.readouterr().out == generate_text(str(run), "In the", max_new_tokens=4, temperature=0) + "\n"
+
+
+def test_a_runs_files_take_the_users_umask(hybrid_run):
+    """Every file and folder `lm train` wrote (config, tokenizer, metrics, the checkpoint and its manifest) has the
+    mode that open() and mkdir() give under the run's umask."""
+    run, _ = hybrid_run
+    modes = {path.relative_to(run).as_posix(): oct(path.stat().st_mode & 0o777) for path in run.rglob("*")}
+    assert {"config.yaml", "tokenizer.json", "checkpoints"} <= set(modes) and len(modes) > 5
+    assert modes == {name: oct((0o777 if (run / name).is_dir() else 0o666) & ~UMASK) for name in modes}

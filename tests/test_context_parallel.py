@@ -1,7 +1,8 @@
-"""Context parallelism (lm.context_parallel): on 2 and 4 gloo processes, in float64, every registered mixer and a
+"""Context parallelism (lm.mixers.context_parallel): on 2 and 4 gloo processes, in float64, every registered mixer and a
 hybrid give what one process gives on the whole window, to 1e-10: logits, loss, and the gradients of every parameter
 and of the embedded input, with documents that start on a piece's boundary and inside a piece."""
 
+import dataclasses
 import json
 import os
 import time
@@ -12,20 +13,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from strategy_runs import free_port
 
-from lm.context_parallel import context_groups, join_context_group
 from lm.mixers import MIXERS
+from lm.mixers.context_parallel import join_context_group, layout
 from lm.model import LanguageModel, LMConfig
 
 T, SEPARATOR = 24, 1  # pieces of 12 (2 ranks) and 6 (4 ranks)
-# Small chunks and windows, so that a piece spans several chunks and the state that crosses ranks is all of it.
-OPTIONS = {"attention": {"n_kv_heads": 1}, "swa": {"window": 5}, "hawk": {"chunk_size": 4},
-           "gla": {"chunk_size": 8, "sub_chunk": 4, "conv_size": 4}, "mlstm": {"conv_size": 4, "chunk_size": 4},
-           "mamba2": {"chunk_size": 4}, "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4},
-           "mesa": {"cg_steps": 30}}
+# Small chunks and windows, so that a piece spans several chunks and the state that crosses ranks is all of it: every
+# mixer with a chunk_size gets SMALL's, and these their own besides.
+SMALL = {"chunk_size": 4, "sub_chunk": 4}
+OPTIONS = {"attention": {"n_kv_heads": 1}, "swa": {"window": 5}, "gla": {"chunk_size": 8, "conv_size": 4},
+           "mlstm": {"conv_size": 4}}
 # The last two with activation checkpointing, and with each block compiled (trainer.compile) by AOTAutograd without
 # Inductor's code generation, which would cost minutes here: with the exchange traced, the ranks' collectives did
 # not meet, and they waited for ever (the fixture's deadline).
 MODELS = [*sorted(MIXERS), "hawk,mesa", "mesa,swa", "mesa,swa recomputed", "hawk,swa compiled"]
+
+
+def options(name: str) -> dict:
+    fields = {f.name for f in dataclasses.fields(MIXERS[name].Options)}
+    return {**{key: value for key, value in SMALL.items() if key in fields}, **OPTIONS.get(name, {})}
 
 
 def build(model: str) -> LanguageModel:
@@ -34,7 +40,7 @@ def build(model: str) -> LanguageModel:
     pattern = name if "," in name else None
     names = name.split(",")
     cfg = LMConfig(vocab_size=40, d_model=16, n_layers=2 * len(names), n_heads=2, head_dim=8, mixer=names[0],
-                   layer_pattern=pattern, mixer_options={n: OPTIONS.get(n, {}) for n in names}, max_seq_len=T,
+                   layer_pattern=pattern, mixer_options={n: options(n) for n in names}, max_seq_len=T,
                    document_separator=SEPARATOR)
     model = LanguageModel(cfg).double()
     model.activation_checkpointing = variant == "recomputed"  # each block run again in the backward, exchange included
@@ -72,13 +78,13 @@ def run(model: LanguageModel, tokens: torch.Tensor) -> dict:
             "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, models: list[str] = MODELS) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = join_context_group(world)
     errors = {}
-    for name in MODELS:
+    for name in models:
         whole = run(build(name), windows())
         model = build(name)
         model.context = group
@@ -105,18 +111,22 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def errors(request, tmp_path_factory) -> tuple[int, dict]:
-    out = tmp_path_factory.mktemp(f"cp{request.param}") / "errors.json"
-    ranks = mp.start_processes(worker, args=(request.param, free_port(), str(out)), nprocs=request.param,
-                               start_method="spawn", join=False)
+def compare_on(world: int, out, target=worker) -> dict:
+    """`target` (a worker) on `world` gloo processes: its errors against one process, by model."""
+    ranks = mp.start_processes(target, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn",
+                               join=False)
     deadline = time.time() + 300  # about 30 s alone; ranks whose collectives do not meet would wait for ever
     while not ranks.join(timeout=1):
         if time.time() > deadline:
             for process in ranks.processes:
                 process.kill()
-            raise AssertionError(f"{request.param} ranks did not finish in 300 s: collectives that do not meet?")
-    return request.param, json.loads(out.read_text())
+            raise AssertionError(f"{world} ranks did not finish in 300 s: collectives that do not meet?")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def errors(request, tmp_path_factory) -> tuple[int, dict]:
+    return request.param, compare_on(request.param, tmp_path_factory.mktemp(f"cp{request.param}") / "errors.json")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -129,5 +139,5 @@ def test_context_parallel_equals_one_process(errors, name):
 
 
 def test_context_groups_are_consecutive_ranks():
-    assert context_groups(8, 4) == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert context_groups(4, 1) == [(0,), (1,), (2,), (3,)]
+    assert [layout(rank, 8, 4) for rank in range(8)] == [(r // 4, 2, r % 4) for r in range(8)]
+    assert [layout(rank, 4, 1) for rank in range(4)] == [(r, 4, 0) for r in range(4)]

@@ -100,6 +100,25 @@ def op_case(name, B, T, H, K, V, C):
     if name == "mlstm":
         q, k, v, i_pre, f_pre = op_inputs(B, T, H, K, V, 2)
         return lambda: ops.mlstm(q, k, v, i_pre, f_pre, chunk_size=C, backend="torch")[0], tokens * ml, tokens * 3 * ml
+    if name == "kda":  # a decay per key channel, sub-chunks of 8
+        q, k, v, beta, alpha = op_inputs(B, T, H, K, V, 2)
+        log_alpha = (alpha[..., None] * torch.linspace(0.5, 1, K)).log()
+        return lambda: ops.kda(q, k, v, log_alpha, beta, chunk_size=C, sub_chunk=8, backend="torch")[0], \
+            tokens * op_flops.kda_op_flops(C, K, V, 8), \
+            tokens * op_flops.kda_op_train_flops(C, K, V, 8, math.ceil(T / C))
+    if name == "delta_product":  # n_h = 2: 2T rows, in chunks of C rows
+        q, k, v, beta, alpha = op_inputs(B, 2 * T, H, K, V, 2)
+        n_chunks = math.ceil(2 * T / C)
+        rows = B * H * n_chunks * C / 2  # per token: its rows, padded
+        return lambda: ops.delta_product(q[:, :T], k, v, beta, alpha[:, :T].log(), chunk_size=C, backend="torch")[0], \
+            rows * op_flops.delta_product_op_flops(C, K, V, 2), \
+            rows * op_flops.delta_product_op_train_flops(C, K, V, 2, n_chunks)
+    if name == "precond_delta_rule":
+        q, k, v, beta, alpha, beta_a, alpha_a = op_inputs(B, T, H, K, V, 4)
+        return lambda: ops.precond_delta_rule(q, k, v, beta, alpha.log(), beta_a, alpha_a.log(), chunk_size=C,
+                                              backend="torch")[0], \
+            tokens * op_flops.precond_delta_rule_op_flops(C, K, V), \
+            tokens * op_flops.precond_delta_rule_op_train_flops(C, K, V, math.ceil(T / C))
     steps = int(name.removeprefix("mesa_cg"))
     q, k, v, gamma, beta = op_inputs(B, T, H, K, V, 2)
     lam = torch.ones(H, K, requires_grad=True)
@@ -111,7 +130,8 @@ def op_case(name, B, T, H, K, V, C):
             tokens * op_flops.mesa_op_train_flops(C, K, V, steps) + final_key_state)
 
 
-OPS = ["linear_attention", "delta_rule", "gated_delta_rule", "mlstm", "mesa_cg0", "mesa_cg3"]
+OPS = ["linear_attention", "delta_rule", "gated_delta_rule", "mlstm", "mesa_cg0", "mesa_cg3", "kda", "delta_product",
+       "precond_delta_rule"]
 
 
 @pytest.mark.parametrize("size", OP_SIZES, ids=lambda s: f"T{s[1]}K{s[3]}")
@@ -264,3 +284,20 @@ def test_a_tolerance_stopped_mesa_counts_the_steps_it_ran():
     assert_close(B * T * mixer.flops_spent_per_token(T, training=True), counted_train, tol=TOL + vectors)
     at_most = mixer.flops_per_token(d, h, hd, T, True, **{**options, "cg_tol": None})
     assert mixer.flops_spent_per_token(T, training=True) < 0.8 * at_most
+
+
+def test_the_adjoint_solve_is_charged_its_own_cg_steps():
+    """A loss that reads the first token alone: the adjoint solve's right-hand side is zero at every other token
+    (they take no step), and the first token's system (H_1 + Lambda, a rank-one H_1) converges in a step or two, while
+    the forward solve runs until its slowest token has converged. The FLOPs as spent charge each solve its own steps,
+    which are what the counter sees run."""
+    B, T, d, h, hd = 2, 40, 32, 2, 16
+    torch.manual_seed(0)
+    mixer = MIXERS["mesa"](d, h, hd, 0, chunk_size=CHUNK, cg_steps=30, cg_tol=1e-2, backend="torch")
+    x = torch.randn(B, T, d, requires_grad=True)
+    with FlopCounterMode(display=False, custom_mapping=CUSTOM) as counter:
+        mixer(x)[0][:, :1].square().sum().backward()
+    info = {key: float(value) for key, value in mixer.metrics().items()}
+    assert 0 < info["cg_adjoint_iterations_run"] < info["cg_iterations_run"] - 2, info
+    vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=True), counter.get_total_flops(), tol=TOL + vectors)

@@ -3,12 +3,14 @@ the directory and the newest whole checkpoint; the partial copy is removed; a re
 checkpoint to the weights of a run never interrupted.
 
 On a real small filesystem (a tmpfs, mounted as root: CI runs as root) for a single file and FSDP2's shards; and
-through LM_FAULTS (enospc@step:N), which fails a write once part of the file is on disk, for a single file and for
-DeepSpeed's shards on every rank."""
+through LM_FAULTS (enospc@step:N), which fails a write once part of the file is on disk, for a single file, and on one
+rank alone (@rank:R) for DDP's file (rank 0 writes it while rank 1 waits) and for DeepSpeed's shards (rank 1's fails,
+rank 0's succeeds: rank 0 must not wait for rank 1 in DeepSpeed's own barrier)."""
 
 import errno
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -22,9 +24,18 @@ from lm.training.consolidate import consolidate
 FIRST, FULL = "step=00000002.ckpt", "step=00000004.ckpt"
 
 
-def train(config: Path, run_dir: Path, flags: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(lm_command("train", "--config", str(config), "--run_dir", str(run_dir), *flags),
-                          env={**environment(), **env}, capture_output=True, text=True, timeout=600)
+def train(config: Path, run_dir: Path, flags: list[str], timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    """`lm train` to its end: until every rank has closed the output it shares (a rank that waits for ever fails the
+    test at `timeout`, and all are killed)."""
+    command = lm_command("train", "--config", str(config), "--run_dir", str(run_dir), *flags)
+    process = subprocess.Popen(command, env={**environment(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"a rank still waits after {timeout} s:\n{process.communicate()[1][-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def assert_ends_in_one_line(result: subprocess.CompletedProcess, run_dir: Path) -> None:
@@ -53,10 +64,14 @@ def test_an_injected_full_disk_ends_in_one_line_and_resumes(strategy_runs, tmp_p
     assert_resumes_to(run, strategy_runs["config"], ONE_PROCESS, strategy_runs["single"])
 
 
-def test_an_injected_full_disk_under_deepspeed_ends_in_one_line(strategy_runs, tmp_path):
+@pytest.mark.parametrize("name, rank", [("ddp", 0), ("zero2", 1)])
+def test_a_full_disk_on_one_rank_ends_every_rank_in_one_line(name, rank, strategy_runs, tmp_path):
+    """Rank 0's line names the error (the errno of the rank that failed); no rank waits for another, none says more.
+    (A resume after a full disk: the tests above.)"""
     run = tmp_path / "run"
-    result = train(strategy_runs["config"], run, STRATEGIES["zero2"], LM_FAULTS="enospc@step:4")
+    result = train(strategy_runs["config"], run, STRATEGIES[name], timeout=240, LM_FAULTS=f"enospc@step:4@rank:{rank}")
     assert_ends_in_one_line(result, run)
+    assert result.stderr.count("cannot write checkpoint") == 1, result.stderr[-3000:]
 
 
 def _mount_tmpfs(where: Path, size_bytes: int) -> bool:
@@ -67,9 +82,7 @@ def _mount_tmpfs(where: Path, size_bytes: int) -> bool:
                           capture_output=True).returncode == 0
 
 
-# DeepSpeed's shards go through the same writer as a single file (the injected test's path); on a real full disk a rank
-# whose write fails while the other's succeeded leaves that one waiting in DeepSpeed's own barrier (README), so
-# DeepSpeed is not run here.
+# DeepSpeed's shards go through the same writer as a single file (the injected tests' path).
 @pytest.mark.parametrize("name", ["single", "fsdp2"])
 def test_a_real_full_disk_ends_in_one_line_and_resumes(name, strategy_runs, tmp_path):
     """The disk holds the run and one checkpoint, not two (sized from the same run's step-2 checkpoint)."""

@@ -5,6 +5,7 @@ attention cache grows, and bad directories are one line."""
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,11 +40,11 @@ def custom_config(separator: int) -> LMConfig:
     """A hybrid with every LMConfig field away from its default (a field the export drops comes back as its default,
     and then differs): an untied head, a strong soft cap, mixer options that change the function (rotary theta,
     grouped-query heads, Mesa's CG steps and output gate), and resets at the tokenizer's separator."""
-    return LMConfig(vocab_size=512, d_model=32, n_layers=3, n_heads=2, head_dim=16, mixer="hawk",
+    return LMConfig(vocab_size=512, d_model=32, n_layers=4, n_heads=2, head_dim=16, mixer="hawk",
                     mixer_options={"attention": {"rope_theta": 500.0, "n_kv_heads": 1},
                                    "mesa": {"cg_steps": 12, "output_gate": True}, "hawk": {"expand": 1.0}},
-                    layer_pattern="hawk,mesa,attention", mlp_ratio=2.5, tie_embeddings=False, logit_soft_cap=5.0,
-                    max_seq_len=48, norm_eps=1e-5, init_std=0.05, document_separator=separator)
+                    layer_pattern="hawk,mesa,attention", cycle_pattern=True, mlp_ratio=2.5, tie_embeddings=False,
+                    logit_soft_cap=5.0, max_seq_len=48, norm_eps=1e-5, init_std=0.05, document_separator=separator)
 
 
 def tiny_model(config: LMConfig) -> LanguageModel:
@@ -266,6 +267,28 @@ def test_lm_generate_reads_the_hf_directory_and_bad_ones_are_one_line(exported, 
         (broken / "config.json").write_text(json.dumps(config))
         code, lines = main([*generate, str(broken)]), capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and expected in lines[0], (case, lines)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask-022", "umask-077"])
+def test_exported_files_take_the_users_umask(originals, kjv_data, tmp_path, mask):
+    """safetensors writes model.safetensors through a temporary file of mode 0600: every file of both export formats
+    (and a result JSON of lm.output) has the mode that open() gives under the user's umask, 0644 under 022 and 0600
+    (not wider) under 077."""
+    from lm.export import save_pretrained
+    from lm.output import write_json
+
+    model, tokenizer = originals["attention"], Path(kjv_data) / "tokenizer.json"
+    previous = os.umask(mask)
+    try:
+        save_hf(model.state_dict(), model.cfg, tmp_path / "hf", tokenizer)
+        save_pretrained(model.state_dict(), model.cfg, tmp_path / "lm", tokenizer)
+        write_json(tmp_path / "result.json", {"ppl": 1.0})
+    finally:
+        os.umask(previous)
+    modes = {path.relative_to(tmp_path).as_posix(): oct(path.stat().st_mode & 0o777)
+             for path in tmp_path.rglob("*") if path.is_file()}
+    assert {"hf/model.safetensors", "lm/model.safetensors", "hf/config.json", "result.json"} <= set(modes)
+    assert modes == dict.fromkeys(modes, oct({0o022: 0o644, 0o077: 0o600}[mask]))
 
 
 def test_bench_hf_generate_reports_a_flat_recurrent_cache_and_a_growing_kv_cache(tmp_path):

@@ -32,9 +32,8 @@ from lm.compare.demo import DEFAULT_LR, demo_lr
 from lm.eval import icl, mqar
 from lm.mixers import MIXERS, Mixer, register
 from lm.mixers.layers import residual_output
-from lm.mixers.protocol import OpCall
 from lm.model import LanguageModel, LMConfig
-from lm.ops import diagonal_scan, diagonal_scan_recurrent
+from lm.ops.call import OpCall
 from lm.training.param_groups import param_groups
 from lm.training.schedule import OptimConfig
 
@@ -56,21 +55,12 @@ class EMA(Mixer):
         self.u_proj, self.a_proj = nn.Linear(d_model, self.W, bias=False), nn.Linear(d_model, self.W)
         self.o = residual_output(nn.Linear(self.W, d_model, bias=False))  # not named out_proj: the marker counts
 
-    def forward(self, x, state=None, reset=None):
+    def op_inputs(self, x, state, reset):
         log_a = F.logsigmoid(self.a_proj(x))
-        op = diagonal_scan_recurrent if x.shape[1] == 1 and state is not None else diagonal_scan
-        h, state = op(-torch.expm1(log_a) * self.u_proj(x), log_a, initial_state=state, reset=reset)
-        return self.o(h.to(x.dtype)), state
+        return OpCall("diagonal_scan", (-torch.expm1(log_a) * self.u_proj(x), log_a))
 
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options):
-        return 0.0  # the scan is elementwise
-
-    @torch.no_grad()
-    def bench_op(self, batch, T):
-        log_a = F.logsigmoid(torch.randn(batch, T, self.W))
-        return OpCall("diagonal_scan", diagonal_scan, diagonal_scan_recurrent, [torch.randn(batch, T, self.W), log_a],
-                      (batch, T, self.W))
+    def op_output(self, x, out, call):
+        return self.o(out.to(x.dtype))
 
 
 def ema_reference(mixer, x, state, reset):
@@ -178,13 +168,43 @@ def test_an_unknown_or_mistyped_option_is_one_line_before_anything_is_written(em
 
 def test_nothing_below_the_probes_names_a_mixer():
     """`git grep` for each mixer name (as a quoted string) outside lm/mixers, lm/ops, configs, docs and tests, and
-    outside the probes, benchmarks and comparisons (lm/eval, lm/bench, lm/compare), which keep their per-mixer
-    settings keyed by mixer name (DESIGN.md, "Layout"); "attention" is allowed as the default mixer and the
-    comparison's reference. The model, the accounting and training read the protocol only."""
+    outside the probes, benchmarks, studies and comparisons (lm/eval, lm/bench, lm/research, lm/compare), which keep
+    their per-mixer settings keyed by mixer name (docs/design.md, "Layers"); "attention" is allowed as the default
+    mixer and the comparison's reference. The model, the accounting and training read the protocol only."""
     names = [name for name in MIXERS if name != "attention"] + ["hawk_mesa", "mesa_attention"]
     pattern = "|".join(rf"[\"']{re.escape(n)}[\"']" for n in names)
     outside = [":!lm/mixers", ":!lm/ops", ":!configs", ":!docs", ":!tests", ":!*.md", ":!lm/eval", ":!lm/bench",
-               ":!lm/compare"]
+               ":!lm/research", ":!lm/compare"]
     found = subprocess.run(["git", "grep", "--untracked", "-nE", pattern, "--", ".", *outside], cwd=ROOT,
                            capture_output=True, text=True).stdout
     assert found == "", found
+
+
+def ema_context_worker(rank: int, world: int, port: int, out: str) -> None:
+    """tests/test_context_parallel.py's worker for the throwaway mixer alone, registered in this spawned process as
+    the test registers it: nothing of its own for context parallelism."""
+    import test_context_parallel
+
+    register("ema")(EMA)
+    test_context_parallel.worker(rank, world, port, out, models=["ema"])
+
+
+def test_a_throwaway_mixer_is_exact_under_context_parallelism(tmp_path):
+    """On 4 gloo processes sharing each window (from the third piece on, a rank's entering state goes through the
+    transfer maps of the pieces before it), the throwaway mixer, with no transfer map of its own (its op's, found by
+    the op's name), gives one process's loss, logits and every gradient, to 1e-10 in float64."""
+    import test_context_parallel
+
+    worst = test_context_parallel.compare_on(4, tmp_path / "errors.json", ema_context_worker)["ema"]
+    assert len(worst) > 3 and max(worst.values()) <= 1e-10, worst
+
+
+def test_every_op_has_its_forms_its_transfer_map_and_its_count():
+    """What depends on an op alone is found by its name in three tables (docs/design.md, "Op contract")."""
+    from lm.ops.call import FORMS
+    from lm.ops.flops import COSTS
+    from lm.ops.state_transfer import TRANSFERS
+
+    assert set(FORMS) == set(TRANSFERS) == set(COSTS)
+    called = {MIXERS[name].planned_call(64, 2, 32, True).op for name in MIXERS if MIXERS[name].recurrent()}
+    assert called <= set(FORMS)

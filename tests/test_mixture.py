@@ -1,6 +1,7 @@
 """Mixtures of prepared sources (data.sources): the schedule against exact rational arithmetic, each source's share of
 a real run measured from the windows it trained on, the logged tokens and per-source validation losses recomputed,
-an exact resume, the same global order at another world size, and bad input refused before anything is written."""
+an exact resume, the same global order at another world size, `lm eval ppl` scoring every source and their weighted
+mean (each data in its own folder), and bad input refused before anything is written."""
 
 import csv
 import json
@@ -312,9 +313,133 @@ def test_two_processes_report_the_same_per_source_validation(kjv_data, numbers, 
         assert float(rows["two"][key]) == pytest.approx(float(rows["one"][key]), rel=1e-4), key
 
 
-def test_eval_ppl_of_a_mixture_run_takes_its_first_source(straight, kjv_data, tmp_path, capsys):
+# lm eval ppl on a mixture run
+
+def direct_nll(model, path: str, windows: int = 4) -> np.ndarray:
+    """[windows, SEQ] NLL of each target of a source's first validation windows, from the model's logits."""
+    stream = TokenStream(path, "validation")
+    batch = torch.stack([torch.from_numpy(stream.read(i * SEQ, SEQ + 1)) for i in range(windows)])
+    with torch.no_grad():
+        logits, _ = model(batch[:, :-1])
+    nll = F.cross_entropy(logits.double().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+    return nll.view(windows, SEQ).numpy()
+
+
+def read_eval(folder: Path) -> tuple[dict, dict[int, float]]:
+    """(ppl.json, position -> NLL of per_position.csv)."""
+    with open(folder / "per_position.csv") as f:
+        rows = {int(r["position"]): float(r["nll"]) for r in csv.DictReader(f)}
+    return json.loads((folder / "ppl.json").read_text()), rows
+
+
+@pytest.fixture(scope="module")
+def evaluated(straight) -> list[str]:
+    """`lm eval ppl` on the mixture run, as a user runs it; its stdout lines."""
+    import contextlib
+    import io
+
     run_dir, _ = straight
-    out = tmp_path / "ppl"
-    assert main(["eval", "ppl", "--checkpoint", str(run_dir), "--max_windows", "4", "--out", str(out)]) == 0
-    assert f"evaluating its first source, {kjv_data}" in capsys.readouterr().err
-    assert json.loads((out / "ppl.json").read_text())["data"] == kjv_data
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["eval", "ppl", "--checkpoint", str(run_dir), "--max_windows", "4"]) == 0
+    return printed.getvalue().splitlines()
+
+
+def test_eval_ppl_of_a_mixture_run_scores_every_source_and_their_weighted_mean(straight, evaluated, kjv_data,
+                                                                                numbers):
+    from lm.training.checkpoint import load_model
+
+    run_dir, _ = straight
+    model, _ = load_model(str(run_dir / "checkpoints" / f"step={STEPS:08d}.ckpt"))
+    direct = {"bible": direct_nll(model, kjv_data), "numbers": direct_nll(model, numbers)}
+    weights, paths = {"bible": 0.75, "numbers": 0.25}, {"bible": kjv_data, "numbers": numbers}
+    for name, nll in direct.items():
+        result, curve = read_eval(run_dir / "eval" / f"ppl-validation-T{SEQ}-{name}")
+        assert result["data"] == paths[name] and result["weight"] == weights[name]
+        assert result["loss"] == pytest.approx(nll.mean(), rel=1e-5)
+        for k, value in curve.items():
+            assert value == pytest.approx(nll[:, k - 1].mean(), rel=1e-5, abs=1e-6), (name, k)
+    mixture, curve = read_eval(run_dir / "eval" / f"ppl-validation-T{SEQ}")  # the default folder: the mixture
+    assert mixture["loss"] == pytest.approx(sum(w * direct[n].mean() for n, w in weights.items()), rel=1e-5)
+    assert mixture["ppl"] == pytest.approx(math.exp(mixture["loss"]))
+    for k, value in curve.items():
+        assert value == pytest.approx(sum(w * direct[n][:, k - 1].mean() for n, w in weights.items()), rel=1e-5)
+    # The same numbers as the run's last validation (val_windows 4), which weights the sources as it trains on them.
+    row = next(r for r in metrics(run_dir) if r.get("val/loss") and int(r["step"]) == STEPS)
+    assert mixture["loss"] == pytest.approx(float(row["val/loss"]), rel=1e-5)
+    # stdout: one JSON line, the mixture's, with every source's result.
+    assert len(evaluated) == 1 and json.loads(evaluated[0]) == mixture
+    for name in weights:
+        assert mixture["sources"][name]["loss"] == pytest.approx(float(row[f"val/loss/{name}"]), rel=1e-5)
+
+
+def test_each_data_writes_its_own_folder(straight, evaluated, numbers, tmp_path, capsys):
+    import shutil
+
+    run_dir, _ = straight
+    before = {p: p.read_bytes() for p in (run_dir / "eval").glob(f"ppl-validation-T{SEQ}*/ppl.json")}
+    # A source of the run: the folder the mixture's evaluation wrote for it, with the same result.
+    assert main(["eval", "ppl", "--checkpoint", str(run_dir), "--max_windows", "4", "--data", numbers]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["data"] == numbers and "weight" not in alone
+    assert alone["loss"] == json.loads(before[run_dir / "eval" / f"ppl-validation-T{SEQ}-numbers" / "ppl.json"])["loss"]
+    # Other data: a folder named after its directory, beside the others.
+    other = tmp_path / "more numbers"
+    shutil.copytree(numbers, other)
+    assert main(["eval", "ppl", "--checkpoint", str(run_dir), "--max_windows", "2", "--data", str(other)]) == 0
+    result = json.loads((run_dir / "eval" / f"ppl-validation-T{SEQ}-more_numbers" / "ppl.json").read_text())
+    assert result["data"] == str(other) and result["windows"] == 2
+    for path, text in before.items():  # the mixture's and the bible's results are untouched
+        if "-numbers" not in path.parent.name:
+            assert path.read_bytes() == text, path
+
+
+def test_eval_targets_keep_the_default_folder_for_the_runs_own_data(tmp_path):
+    from lm.eval.ppl import Target, eval_targets
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert eval_targets({"path": a}, None) == [Target(a)]
+    assert eval_targets({"path": a}, a) == [Target(a)]
+    assert eval_targets({"path": a}, str(tmp_path / "x" / "b")) == [Target(str(tmp_path / "x" / "b"), "b")]
+    assert eval_targets({"sources": [{"path": a, "weight": 1.0}]}, None) == [Target(a)]  # a mixture of one
+    assert eval_targets({"sources": [{"path": a, "tokens": 300, "name": "A"}, {"path": b, "tokens": 100}]}, None) == \
+        [Target(a, "A", 0.75), Target(b, "b", 0.25)]
+    assert eval_targets({"sources": [{"path": a, "weight": 3, "name": "A"}, {"path": b, "weight": 1}]}, a) == \
+        [Target(a, "A")]
+
+
+@pytest.mark.parametrize("case", ["missing-source", "other-tokenizer-source", "missing-data", "data-named-alike"])
+def test_bad_eval_of_a_mixture_is_one_line_and_writes_nothing(case, straight, kjv_data, numbers, other_tokenizer,
+                                                               tmp_path, capsys):
+    """On a copy of the run whose config names another second source (missing, or of another tokenizer), or with
+    --data that is missing or named like the run's source whose folder holds its results."""
+    import shutil
+
+    from lm.data_prep.shards import sha256_file
+
+    run_dir, _ = straight
+    copy = tmp_path / "run"
+    (copy / "checkpoints").mkdir(parents=True)
+    for path in (run_dir / "checkpoints").glob(f"step={STEPS:08d}.ckpt*"):
+        shutil.copy(path, copy / "checkpoints")
+    shutil.copy(run_dir / "tokenizer.json", copy)
+    second = {"missing-source": str(tmp_path / "nowhere"), "other-tokenizer-source": other_tokenizer}.get(case, numbers)
+    (copy / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(numbers, second))
+    args = ["eval", "ppl", "--checkpoint", str(copy), "--max_windows", "2"]
+    if case == "missing-data":
+        args += ["--data", str(tmp_path / "nowhere")]
+    if case == "data-named-alike":
+        shutil.copytree(numbers, tmp_path / "elsewhere" / "numbers")
+        args += ["--data", str(tmp_path / "elsewhere" / "numbers")]
+        (copy / "eval" / f"ppl-validation-T{SEQ}-numbers").mkdir(parents=True)
+        (copy / "eval" / f"ppl-validation-T{SEQ}-numbers" / "ppl.json").write_text(json.dumps({"data": numbers}))
+    before = {p: sha256_file(p) for p in sorted(copy.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    expected = {"missing-source": f"missing {tmp_path / 'nowhere' / 'manifest.json'}",
+                "other-tokenizer-source": f"{other_tokenizer} was tokenized with another tokenizer",
+                "missing-data": f"missing {tmp_path / 'nowhere' / 'manifest.json'}",
+                "data-named-alike": f"holds the evaluation of {numbers}, another directory named numbers"}[case]
+    assert expected in err and "\n" not in err and "Traceback" not in err, err
+    assert {p: sha256_file(p) for p in sorted(copy.rglob("*")) if p.is_file()} == before

@@ -89,3 +89,29 @@ def test_layer_pattern_cycles_over_depth_and_unknown_mixers_are_user_errors():
         LMConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=1, head_dim=8, mixer="transformerx")
     with pytest.raises(UserError, match="must be positive"):
         LMConfig(vocab_size=10, d_model=0, n_layers=2, n_heads=1, head_dim=8)
+
+
+THREE_TO_ONE = "gated_deltanet,gated_deltanet,gated_deltanet,attention"
+
+
+def test_a_pattern_is_refused_where_the_depth_would_cut_it_unless_the_config_cycles_it():
+    """A 3:1 hybrid over 2 layers would be pure Gated DeltaNet: refused, in one line that names the pattern's layers,
+    what the model would be, and both ways out. With cycle_pattern it is built as asked, and says so."""
+    shape = dict(vocab_size=10, d_model=16, n_heads=1, head_dim=16, layer_pattern=THREE_TO_ONE)
+    with pytest.raises(UserError) as refused:
+        LMConfig(n_layers=2, **shape)
+    message = str(refused.value)
+    assert "\n" not in message
+    for part in ("model.layer_pattern has 4 layers (gated_deltanet, gated_deltanet, gated_deltanet, attention)",
+                 "model.n_layers 2", "would be gated_deltanet x2", "multiple of 4", "model.cycle_pattern true"):
+        assert part in message, message
+    for n_layers in (4, 8):  # whole patterns
+        cfg = LMConfig(n_layers=n_layers, **shape)
+        assert cfg.layer_mixers() == THREE_TO_ONE.split(",") * (n_layers // 4)
+    assert LMConfig(n_layers=8, **shape).layer_summary() == "8 layers: gated_deltanet x6, attention x2"
+    cut = LMConfig(n_layers=6, cycle_pattern=True, **shape)
+    assert cut.layer_mixers() == ["gated_deltanet"] * 3 + ["attention", "gated_deltanet", "gated_deltanet"]
+    assert cut.layer_summary() == "6 layers: gated_deltanet x5, attention x1 (cycled: the 4-layer pattern cut at 6)"
+    assert len(LanguageModel(cut).blocks) == 6
+    single = LMConfig(vocab_size=10, d_model=16, n_layers=3, n_heads=1, head_dim=16, mixer="mamba2")
+    assert single.layer_summary() == "3 layers: mamba2 x3"

@@ -12,10 +12,14 @@ from lm.ops import (
     delta_rule_recurrent,
     diagonal_scan,
     diagonal_scan_recurrent,
+    kda,
+    kda_recurrent,
     linear_attention,
     linear_attention_recurrent,
     mesa,
     mesa_recurrent,
+    precond_delta_rule,
+    precond_delta_rule_recurrent,
 )
 
 B, T, H, K, V, CHUNK = 2, 37, 2, 4, 3, 8
@@ -58,6 +62,11 @@ def _inputs(op: str, seed: int = 0, dtype=torch.float64):
         return [q, k, v, decay(B, T, H, K), None, 0.5], {"sub_chunk": 4}, state
     if op == "deltanet":
         return [q, k, v, beta, None, 0.5], {}, state
+    if op == "kda":  # a decay per key channel, beta in [0, 2]
+        return [q, k, v, decay(B, T, H, K), 2 * beta, 0.5], {"sub_chunk": 4}, state
+    if op == "precond_delta_rule":
+        A = torch.rand(B, H, K, generator=g, dtype=dtype)
+        return [q, k, v, 2 * beta, decay(B, T, H), torch.sigmoid(rand(B, T, H)), decay(B, T, H), 0.5], {}, (state, A)
     return [q, k, v, beta, decay(B, T, H), 0.5], {}, state  # gated_deltanet
 
 
@@ -68,6 +77,8 @@ FORMS = {
     "gated_deltanet": (delta_rule, delta_rule_recurrent),
     "diagonal_scan": (diagonal_scan, diagonal_scan_recurrent),
     "mesa": (mesa, mesa_recurrent),
+    "kda": (kda, kda_recurrent),
+    "precond_delta_rule": (precond_delta_rule, precond_delta_rule_recurrent),
 }
 TOLERANCE = {"mesa": 1e-6}  # CG in float64: converged, not exact
 

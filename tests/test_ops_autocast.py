@@ -5,7 +5,8 @@ call. (Mesa on ill-conditioned inputs, and a model under autocast: tests/test_op
 import pytest
 import torch
 
-from lm.bench.mixer_speed import OPS, bench_mixer_names, op_inputs
+from lm.bench.mixer_speed import bench_mixer_names, op_inputs
+from lm.ops.call import FORMS
 
 
 def flat(result):
@@ -18,7 +19,7 @@ def flat(result):
 @pytest.mark.parametrize("mixer", bench_mixer_names())
 def test_op_ignores_autocast(mixer, form):
     op, args, _ = op_inputs(mixer, 70, 64, 2, 16, 1)
-    fn = OPS[op][0 if form == "chunkwise" else 1]
+    fn = getattr(FORMS[op], form)
     args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     plain = flat(fn(*args))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -55,7 +56,7 @@ def test_op_gradients_ignore_autocast(mixer, form):
     """The gradients as Lightning's bf16-mixed takes them (forward under autocast, backward after it) are those of the
     plain float32 call: no part of the graph autograd records for the backward is a bf16 op."""
     op, args, _ = op_inputs(mixer, 70, 64, 2, 16, 1)
-    fn = OPS[op][0 if form == "chunkwise" else 1]
+    fn = getattr(FORMS[op], form)
     plain = grads(fn, args, forward_autocast=False, backward_autocast=False)
     assert all(torch.isfinite(p).all() for p in plain if p is not None)
     assert_same_grads(grads(fn, args, forward_autocast=True, backward_autocast=False), plain)
@@ -68,5 +69,5 @@ def test_custom_backward_ignores_autocast():
     autocast, forward and backward, are the plain ones. (On ill-conditioned inputs, against float64:
     tests/test_op_mesa.py.)"""
     _, args, _ = op_inputs("mesa", 70, 64, 2, 16, 1)
-    plain = grads(OPS["mesa"][0], args, forward_autocast=False, backward_autocast=False)
-    assert_same_grads(grads(OPS["mesa"][0], args, forward_autocast=True, backward_autocast=True), plain)
+    plain = grads(FORMS["mesa"].chunkwise, args, forward_autocast=False, backward_autocast=False)
+    assert_same_grads(grads(FORMS["mesa"].chunkwise, args, forward_autocast=True, backward_autocast=True), plain)

@@ -1,9 +1,11 @@
 """lm prepare beyond one process: --workers N, a SLURM array's plan, parts and merge (run here, in-process), a BPE
-trained on a sample, and a recipe that routes each record to the dataset of its source. Every way must write the bytes
-one plain process writes: the same shards, sha256s, tokenizer.json and manifest.json."""
+trained on a sample, and a recipe that routes each record to the dataset of its source, by a field or by the source's
+own files, with one tokenizer. Every way must write the bytes one plain process writes: the same shards, sha256s,
+tokenizer.json and manifest.json."""
 
 import gzip
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,9 @@ from lm.cli import main
 from lm.data_prep import BUNDLED_CORPUS, load_manifest, prepare
 from lm.data_prep import sources as sources_module
 from lm.data_prep.recipe import load_recipe
-from lm.data_prep.sample import Sample, sample_documents
+from lm.data_prep.sample import Sample, sample_documents, sample_groups
 from lm.data_prep.shards import WHOLE, sha256_file
-from lm.data_prep.sources import make_source
+from lm.data_prep.sources import grouped_source, make_source
 from lm.data_prep.tokenizer import tokenizer_key
 
 # Small shards, so that documents straddle them; small batches, so that every worker gets several.
@@ -286,3 +288,147 @@ def test_lm_train_reads_the_mixture_a_recipe_writes(recipe_out, tmp_path):
     module = TokenDataModule(config.data)
     assert module.names == ["c4", "github", "wikipedia"]
     assert module.schedule.shares.tolist() == pytest.approx([0.6, 0.3, 0.1], abs=1 / 65536)
+
+
+# ---------------------------------------------------------------- a recipe of files: one tokenizer over several sources
+
+
+def numbers_text(i: int) -> str:
+    rng = random.Random(i)
+    return f"Record {i}. " + " ".join(str(rng.randrange(10**6)) for _ in range(150))
+
+
+@pytest.fixture(scope="module")
+def by_files(tmp_path_factory) -> tuple[Path, Path, dict[str, list[str]]]:
+    """Two sources with files of their own, Bible chapters (two .jsonl files) and numbers (a .txt file a document),
+    and a recipe of them without a field; each source's documents in order."""
+    root = tmp_path_factory.mktemp("by_files")
+    texts = {"bible": chapters()[:160], "numbers": [numbers_text(i) for i in range(30)]}
+    write(root / "bible" / "a.jsonl", [{"text": t} for t in texts["bible"][:100]])
+    write(root / "bible" / "b.jsonl.gz", [{"text": t} for t in texts["bible"][100:]])
+    for i, text in enumerate(texts["numbers"]):
+        (root / "numbers" / f"{i:02d}.txt").parent.mkdir(exist_ok=True)
+        (root / "numbers" / f"{i:02d}.txt").write_text(text)
+    recipe = root / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"sources": [{"name": "bible", "inputs": [str(root / "bible")], "weight": 0.7},
+                                                  {"name": "numbers", "inputs": [str(root / "numbers" / "*.txt")],
+                                                   "weight": 0.3}]}))
+    return root, recipe, texts
+
+
+@pytest.fixture(scope="module")
+def by_files_out(by_files, tmp_path_factory) -> Path:
+    _, recipe, _ = by_files
+    out = tmp_path_factory.mktemp("by_files_out") / "out"
+    prepare(out=str(out), recipe=str(recipe), **SETTINGS)
+    return out
+
+
+def test_a_recipe_of_files_trains_one_bpe_over_every_source_and_prepares_each_alone(by_files, by_files_out, tmp_path):
+    from lm.data_prep.tokenizer import save_tokenizer, train_bpe
+
+    root, _, texts = by_files
+    files = {"bible": [root / "bible" / "a.jsonl", root / "bible" / "b.jsonl.gz"],
+             "numbers": sorted((root / "numbers").glob("*.txt"))}
+    assert yaml.safe_load((by_files_out / "mixture.yaml").read_text()) == {"data": {"sources": [
+        {"name": "bible", "path": str((by_files_out / "bible").resolve()), "weight": 0.7},
+        {"name": "numbers", "path": str((by_files_out / "numbers").resolve()), "weight": 0.3}]}}
+    # One tokenizer: the BPE of both sources' documents.
+    bpe = save_tokenizer(train_bpe(texts["bible"] + texts["numbers"], SETTINGS["vocab_size"], False),
+                         tmp_path / "tokenizer.json")
+    for name in ("bible", "numbers"):
+        manifest = load_manifest(by_files_out / name)
+        assert manifest["tokenizer"]["sha256"] == sha256_file(by_files_out / name / "tokenizer.json") == bpe
+        assert manifest["sources"] == [str(p.resolve()) for p in files[name]]
+        assert manifest["select"] == {"source": name, "files": manifest["sources"]}
+        # Each source's dataset is what its own files give with that tokenizer.
+        prepare([str(p) for p in files[name]], str(tmp_path / name), tokenizer=str(tmp_path / "tokenizer.json"),
+                **SETTINGS)
+        assert {k: v for k, v in digests(tmp_path / name).items() if k.endswith(".bin")} == \
+            {k: v for k, v in digests(by_files_out / name).items() if k.endswith(".bin")}
+
+
+def test_the_bpe_sample_of_a_recipe_of_files_is_shared_out_by_weight(by_files, tmp_path):
+    root, recipe, texts = by_files
+    source = grouped_source({"bible": [str(root / "bible")], "numbers": [str(root / "numbers")]})
+    for weights, counts in (({"bible": 0.7, "numbers": 0.3}, (7, 3)), ({"bible": 1, "numbers": 4}, (2, 8))):
+        sample = [text for text, _ in sample_groups(source, Sample(docs=10, seed=3), weights)]
+        assert (sum(t in texts["bible"] for t in sample), sum(t in texts["numbers"] for t in sample)) == counts
+    sizes = [len(text.encode()) for text, _ in sample_groups(source, Sample(bytes=40_000), {"bible": 3, "numbers": 1})]
+    assert len(sizes) > 4 and sum(sizes) < 40_000 + 2 * max(sizes)
+    # The weights are in the fingerprint of a sampled tokenizer.
+    a = prepare(out=str(tmp_path / "a"), recipe=str(recipe), tokenizer_sample_docs=10, **SETTINGS)
+    other = tmp_path / "other.yaml"
+    other.write_text(recipe.read_text().replace("0.7", "0.2"))
+    b = prepare(out=str(tmp_path / "b"), recipe=str(other), tokenizer_sample_docs=10, **SETTINGS)
+    assert load_manifest(tmp_path / "a" / "numbers")["fingerprint"] != load_manifest(tmp_path / "b" / "numbers")[
+        "fingerprint"]
+    assert a["data"]["sources"][0]["weight"] == 0.7 and b["data"]["sources"][0]["weight"] == 0.2
+
+
+def test_a_recipe_of_files_as_plan_parts_and_merge_writes_the_same_bytes(by_files, by_files_out, tmp_path):
+    _, recipe, _ = by_files
+    out = tmp_path / "out"
+    for step in ({}, {"task": 1}, {"task": 0}, {"merge": True}):
+        prepare(out=str(out), recipe=str(recipe), tasks=2, **SETTINGS, **step)
+    for name in ("bible", "numbers"):
+        assert digests(out / name) == digests(by_files_out / name)
+
+
+def test_a_mixture_of_a_recipe_of_files_trains(by_files_out, tmp_path):
+    import csv
+
+    from lm.training.config import parse_run_config
+    from lm.training.train import train
+
+    base = tmp_path / "base.yaml"
+    base.write_text(f"""
+run_dir: {tmp_path / 'run'}
+model: {{vocab_size: 512, d_model: 32, n_layers: 1, n_heads: 2, head_dim: 16, max_seq_len: 16}}
+data: {{seq_len: 16, micro_batch: 2, num_workers: 0, val_windows: 2}}
+strategy: {{accelerator: cpu}}
+trainer: {{max_steps: 2, val_every: 2, log_every: 1, progress_bar: false}}
+""")
+    config, resume, frozen = parse_run_config(["--config", str(base), "--config", str(by_files_out / "mixture.yaml")])
+    assert train(config, resume, frozen).is_file()
+    rows = [r for path in (tmp_path / "run" / "logs").glob("version_*/metrics.csv") for r in csv.DictReader(open(path))]
+    row = next(r for r in rows if r.get("val/loss"))
+    assert all(float(row[key]) > 0 for key in ("val/loss/bible", "val/loss/numbers", "val/loss"))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("value-without-field", "each source is {name, inputs, weight} (a recipe without `field`"),
+    ("no-inputs", "source numbers: inputs must be a non-empty list of paths or globs"),
+    ("missing-input", "input not found:"),
+    ("file-in-two-sources", "is an input of two sources, bible and numbers"),
+    ("top-level-inputs", "`inputs` belongs to a recipe with a `field`"),
+    ("command-line-inputs", "gives each source its own inputs: give no --inputs"),
+    ("blank-source", "source numbers of recipe"),
+])
+def test_a_bad_recipe_of_files_is_one_line_and_writes_nothing(by_files, tmp_path, capsys, case, message):
+    root, recipe, _ = by_files
+    raw = yaml.safe_load(recipe.read_text())
+    numbers = raw["sources"][1]
+    if case == "value-without-field":
+        numbers["value"] = numbers.pop("inputs")[0]
+    elif case == "no-inputs":
+        numbers["inputs"] = []
+    elif case == "missing-input":
+        numbers["inputs"] = [str(tmp_path / "nowhere")]
+    elif case == "file-in-two-sources":
+        numbers["inputs"].append(str(root / "bible" / "b.jsonl.gz"))
+    elif case == "top-level-inputs":
+        raw["inputs"] = [str(root / "bible")]
+    elif case == "blank-source":
+        (tmp_path / "blank.txt").write_text(" \n\n")
+        numbers["inputs"] = [str(tmp_path / "blank.txt")]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    args = ["prepare", "--recipe", str(bad), "--out", str(tmp_path / "out"), "--progress", "false"]
+    args += ["--inputs", f"[{root / 'bible'}]"] if case == "command-line-inputs" else []
+    before = tree(tmp_path)
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert tree(tmp_path) == before

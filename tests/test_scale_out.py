@@ -36,11 +36,11 @@ REFUSED = {"single into fsdp2": ("single", STRATEGIES["fsdp2"], "cannot resume F
                                               "--strategy.devices", "1", *ONE_PROCESS], "cannot resume DeepSpeed")}
 
 
-def losses(run_dir: Path) -> list[float]:
+def losses(run_dir: Path, key: str = "train/loss") -> list[float]:
     rows = {}
     for path in sorted(run_dir.glob("logs/version_*/metrics.csv")):
         with open(path) as f:
-            rows.update({int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")})
+            rows.update({int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)})
     return [rows[k] for k in sorted(rows)]
 
 
@@ -116,6 +116,15 @@ def test_strategy_matches_one_process_exports_and_resumes_exactly(runs, resumed,
     assert sorted(after) == [3, 4] and [after[3], after[4]] == losses(run_dir)[2:]
     b = exported(resumed_dir, tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_strategy_logs_the_steps_loss_and_gradient_norm(runs):
+    """One process accumulates 2 micro-batches (ONE_PROCESS), each strategy's 2 processes take one each: the logged
+    loss is the step's mean over both, and the gradient norm that of the step's whole gradient, as one process logs
+    them (float32)."""
+    for strategy in STRATEGIES:
+        for key in ("train/loss", "train/grad_norm"):
+            assert losses(runs[strategy], key) == pytest.approx(losses(runs["single"], key), rel=1e-5), (strategy, key)
 
 
 def test_two_process_checkpoint_continues_in_one_process(runs, resumed, tmp_path):

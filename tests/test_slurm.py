@@ -371,6 +371,20 @@ def test_a_job_script_without_srun_stops_at_once(kjv_data, tmp_path, capsys):
     assert result.stderr.startswith("lm slurm: srun is not on PATH on")
 
 
+def test_a_dry_runs_script_submitted_with_sbatch_as_printed_completes(cluster, kjv_data, tmp_path):
+    run_dir = tmp_path / "run"
+    config = config_file(tmp_path, kjv_data, devices=1, max_steps=2, ckpt_every=2)
+    script = tmp_path / "printed.sbatch"
+    script.write_text(lm_here(cluster, "slurm", "submit", "--dry_run", "true", "--mem", "1G", "--", "--config",
+                              str(config), "--run_dir", str(run_dir)))
+    job = subprocess.run(["sbatch", "--parsable", str(script)], env=cluster, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    info = wait_until_ended(cluster, job)
+    assert info["JobState"] == "COMPLETED", info
+    assert f"lm slurm: job {job} restart 0" in (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000002.ckpt"
+
+
 def test_a_second_live_trainer_of_a_run_directory_is_refused(kjv_data, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -456,14 +470,50 @@ def test_dry_run_for_4_nodes_of_8_gpus_renders_the_expected_script(tmp_path, mon
     ]
     assert lines.index("module load cuda/12.4") < lines.index("source /opt/venv/bin/activate") < \
         next(i for i, line in enumerate(lines) if line.startswith("command -v srun"))
-    assert re.fullmatch(rf"ARGS=\(train --config {run_dir}/slurm/train-[\d-]+\.yaml --resume auto\)",
-                        next(line for line in lines if line.startswith("ARGS=")))
+    frozen = re.fullmatch(rf"ARGS=\(train --config ({run_dir}/slurm/train-[\d-]+\.yaml) --resume auto\)",
+                          next(line for line in lines if line.startswith("ARGS="))).group(1)
     assert 'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in lines
     assert 'export MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"' in lines
     assert 'srun --nodes=4 --ntasks-per-node=8 --cpus-per-task=12 python -m lm.cli "${ARGS[@]}" &' in lines
     assert 'if [ "$status" -eq 75 ] && [ "$stop" != TERM ]; then' in lines
     assert '    scontrol requeue "$SLURM_JOB_ID"' in lines
-    assert not run_dir.exists()  # a dry run writes nothing
+    # A dry run writes what its script points at, and no more: the frozen config (the command line's shape in it) and
+    # the log folder. Nothing is recorded as submitted.
+    assert sorted(run_dir.rglob("*")) == [run_dir / "slurm", Path(frozen)]
+    strategy = yaml.safe_load(Path(frozen).read_text())["strategy"]
+    assert (strategy["num_nodes"], strategy["devices"]) == (4, 8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--", "--modle.d_model", "64"], "unknown config key 'modle.d_model'"),
+    (["--gpus_per_node", "2", "--"], "--gpus_per_node with strategy.accelerator cpu"),
+    (["--nodes", "0", "--"], "--nodes must be at least 1"),
+])
+def test_a_dry_run_with_bad_input_writes_nothing(kjv_data, tmp_path, args, message):
+    cut = args.index("--")
+    command = [*args[:cut], "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir",
+               str(tmp_path / "run"), *args[cut + 1:]]
+    with pytest.raises(UserError, match=message):
+        submit_from_args(["--dry-run", *command])
+    assert not (tmp_path / "run").exists()
+
+
+def test_site_setup_runs_before_strict_mode(kjv_data, tmp_path, monkeypatch, capsys):
+    """A setup line that reads an unset variable (as conda's activate does) runs; strict mode (set -u) holds for the
+    rest of the script: with a stand-in srun on PATH, it stops at the first SLURM variable the job would have set."""
+    site = tmp_path / "site.yaml"
+    site.write_text("setup:\n  - 'activate() { echo \"setup saw [${LM_TEST_UNSET}]\"; }'\n  - activate\n")
+    monkeypatch.setenv("LM_SLURM_SITE", str(site))
+    submit_from_args(["--dry-run", "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir",
+                      str(tmp_path / "run")])
+    (tmp_path / "job.sh").write_text(capsys.readouterr().out)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    result = subprocess.run(["/bin/bash", str(tmp_path / "job.sh")], env={"PATH": str(tmp_path / "bin")},
+                            capture_output=True, text=True)
+    assert result.stdout == "setup saw []\n", result.stderr
+    assert result.returncode != 0 and re.search(r"SLURM_\w+: unbound variable", result.stderr), result.stderr
 
 
 def test_bad_submit_options_end_with_one_line(tmp_path):
@@ -491,7 +541,7 @@ def test_an_eval_grid_array_renders_one_cell_per_task(tmp_path, capsys):
     assert f"#SBATCH --output={out}/slurm/array-%A_%a.out" in lines
     assert f"ARGS=(eval mqar-grid --quick true --out {out})" in lines
     assert 'ARGS+=(--cell "$SLURM_ARRAY_TASK_ID")' in lines
-    assert not out.exists()
+    assert sorted(out.rglob("*")) == [out / "slurm"]  # the log folder: the script submits as printed
 
 
 @pytest.mark.parametrize("args, message", [
@@ -600,7 +650,8 @@ def test_a_prepare_array_renders_its_parts_and_a_merge(tmp_path, capsys):
     assert not [line for line in merge if "--array" in line or "ARGS+=" in line]
     assert f"ARGS=(prepare --inputs '[{tmp_path}]' --out {out} {' '.join(PREPARE)} --tasks 3 --merge true)" in merge
     assert "#SBATCH --no-requeue" in merge and f"#SBATCH --output={out}/slurm/job-%j.out" in merge
-    assert not out.exists()
+    assert "after the plan step" in array[0] and "afterok" not in array[0] and "afterok" in merge[0]
+    assert sorted(out.rglob("*")) == [out / "slurm"]  # the log folder; the plan step is left to the submission
 
 
 @pytest.mark.parametrize("args, message", [

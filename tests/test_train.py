@@ -295,6 +295,38 @@ def test_bad_input_ends_with_one_line_and_status_2(kjv_data, tmp_path, capsys):
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
+# What a launcher (SLURM, torchrun, Lightning for its own processes) sets in each process: cleared for each case.
+LAUNCH_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+              "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+TWO_NODES = ["--strategy.name", "ddp", "--strategy.num_nodes", "2"]
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    # Nodes started by hand as the refusal of num_nodes without a launcher says, but without where they meet: each
+    # node would pick a port of its own (Lightning), or look for the first node on itself, and wait forever.
+    ({"MASTER_ADDR": "127.0.0.1", "NODE_RANK": "1"}, TWO_NODES, "started by hand needs MASTER_PORT set alike"),
+    ({"NODE_RANK": "1", "MASTER_PORT": "29500"}, TWO_NODES, "started by hand needs MASTER_ADDR set alike"),
+    # torchrun's processes are not the run's: 2 for a one-device run (each would train alone in the run directory),
+    # 2 for a run of 4 (they would wait for the other 2).
+    (TORCHRUN, [], "torchrun started 2 processes but the run needs strategy.num_nodes x strategy.devices = 1"),
+    (TORCHRUN, ["--strategy.name", "ddp", "--strategy.devices", "4"], "strategy.devices = 4: start it with torchrun"),
+], ids=["no-port", "no-address", "torchrun-for-one", "torchrun-too-few"])
+def test_processes_started_outside_a_launcher_that_cannot_meet_are_one_line(env, flags, message, kjv_data, tmp_path,
+                                                                           capsys, monkeypatch):
+    """(Nodes started by hand with the address and port train: tests/test_context_parallel_train.py.)"""
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # Were one let through, fitting would wait for its peers forever: it fails the test instead.
+    monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *_, **__: pytest.fail("the launch was taken"))
+    run_dir = tmp_path / "run"
+    one_line_error(capsys, ["train", "--config", str(config_file(tmp_path, kjv_data, run_dir)), *flags], message)
+    assert not run_dir.exists()
+
+
 def test_unknown_key_from_the_real_command_line(kjv_data, tmp_path):
     config = config_file(tmp_path, kjv_data, tmp_path / "cli")
     done = subprocess.run([sys.executable, "-m", "lm.cli", "train", "--config", str(config), "--model.dmodel", "8"],

@@ -12,7 +12,7 @@ projections and convolutions; the few vector parameters, such as norm gains, gat
 elementwise work of about that size) plus its sequence op, as the mixer's own file counts it (`flops_per_token`,
 `op_flops_per_token`): for attention the causal average context (T + 1) / 2, what a causal kernel that skips masked
 blocks does (sliding-window attention's window caps it; only attention layers have a T-term); for the recurrent mixers
-their chunkwise op (lm/ops/flops.py).
+their op call's chunkwise form (lm/ops/flops.py's COSTS, by the op's name).
 Training is 3x the forward for every matrix product (the backward computes two products of the same size per
 product), except:
 - the delta rule's triangular solve, whose backward is one more solve plus a full C x C x (K + V) product, and its
@@ -32,7 +32,7 @@ As spent: with cg_tol, Mesa's CG stops early, so what a run spent depends on its
 a model's last call from its mixers' telemetry (each mixer's `flops_spent_per_token`: Mesa's CG steps as run, forward
 and adjoint, each loop charged until its last token converged); training logs it (lm.training.callbacks.spent_flops)
 and MFU, `lm compare report` and the ladder's L(C) use it. The analytic functions above charge cg_steps, the most;
-plans estimate a tolerance run with `expected_cg_steps` and say so.
+plans estimate a tolerance run with `lm.ops.flops.expected_cg_steps` and say so.
 """
 
 from lm.mixers import MIXERS
@@ -90,7 +90,8 @@ def train_flops_per_token(cfg: LMConfig, seq_len: int) -> float:
 def flops_notes(cfg: LMConfig) -> list[str]:
     """What the model's FLOP count assumes beyond its shape (each mixer's `flops_note`: Mesa's expected CG steps with
     cg_tol), once per mixer."""
-    notes = (MIXERS[name].flops_note(**cfg.mixer_options.get(name, {})) for name in dict.fromkeys(cfg.layer_mixers()))
+    notes = (MIXERS[name].flops_note(cfg.d_model, cfg.n_heads, cfg.head_dim, **cfg.mixer_options.get(name, {}))
+             for name in dict.fromkeys(cfg.layer_mixers()))
     return [note for note in notes if note]
 
 

@@ -26,6 +26,7 @@ from lm.accounting.flops import param_count
 from lm.mixers import MIXERS
 from lm.model import Block, LMConfig
 from lm.ops.cross_entropy import chunk_tokens
+from lm.ops.state_transfer import piece_transfer
 
 GIB = 2**30
 
@@ -76,7 +77,7 @@ def saved_bytes(cfg: LMConfig, mixer: str, seq_len: int, bf16: bool, before: int
     """Bytes autograd keeps for one block of `mixer` at width cfg.d_model, one sequence of seq_len (CPU, counted),
     continuing from the state of `before` earlier tokens (a context-parallel rank's piece). `exchange`: with what a
     recurrent mixer's exchange of transfer maps keeps besides (the input of its recomputed run from the zero state)."""
-    exchange = exchange and MIXERS[mixer].carried is not None
+    exchange = exchange and MIXERS[mixer].recurrent()
     key = (mixer, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_hidden, repr(cfg.mixer_options.get(mixer)),
            seq_len, bf16, before, exchange)
     if key not in _saved:
@@ -109,8 +110,9 @@ def count_saved_bytes(cfg: LMConfig, seq_len: int, bf16: bool, before: int = 0, 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         block(x, state)
-        if exchange:  # as lm.mixers.context.mix_in_parallel runs it, on the same normed input
-            torch.utils.checkpoint.checkpoint(block.mixer.piece_transfer, normed[0], {}, None, use_reentrant=False)
+        if exchange:  # the piece's transfer map, as lm.mixers.context_parallel.mix_in_parallel runs it
+            torch.utils.checkpoint.checkpoint(lambda x: piece_transfer(block.mixer.op_inputs(x, {}, None), None),
+                                              normed[0], use_reentrant=False)
     return sum(seen.values())
 
 
@@ -150,9 +152,9 @@ def plan_memory(cfg: LMConfig, micro_batch: int, seq_len: int, strategy: str = "
                 precision: str = "bf16-mixed", activation_checkpointing: bool = False,
                 context_parallel: int = 1) -> MemoryPlan:
     """The per-GPU memory of a training step of micro_batch sequences of seq_len (see the module docstring), each
-    split over context_parallel ranks (lm.context_parallel): a rank keeps the activations of its piece (a recurrent
-    mixer also the input of its exchange's run from the zero state, recomputed in the backward), and the last rank
-    also what attention keeps of the pieces before it."""
+    split over context_parallel ranks (lm.mixers.context_parallel): a rank keeps the activations of its piece (a
+    recurrent mixer also the input of its exchange's run from the zero state, recomputed in the backward), and the
+    last rank also what attention keeps of the pieces before it."""
     bf16 = precision == "bf16-mixed"
     act = 2 if bf16 else 4  # bytes of an activation
     params = param_count(cfg)

@@ -1,10 +1,17 @@
-"""Match a model's parameter count to a target by its MLP width (the mixers keep their papers' shapes)."""
+"""Match a model's parameter count to a target by its MLP width (the mixers keep their papers' shapes), at a depth of
+whole layer patterns."""
 
 from dataclasses import replace
 
 from lm.accounting.flops import param_count
 from lm.errors import UserError
 from lm.model import LMConfig
+
+
+def whole_patterns(n_layers: int, pattern_length: int) -> int:
+    """The depth nearest n_layers that holds whole layer patterns (at least one; halfway goes deeper): a hybrid sized
+    at another model's depth keeps its mix (LMConfig refuses a cut pattern)."""
+    return max(1, (2 * n_layers + pattern_length) // (2 * pattern_length)) * pattern_length
 
 
 def match_params_by_mlp(cfg: LMConfig, target: int, multiple: int = 32, tolerance: float = 0.02) -> LMConfig:

@@ -2,9 +2,9 @@
 
 For each mixer and each number of pieces N, N processes (gloo on CPU, NCCL with one GPU each where there are as many)
 train one forward and backward of the same model on the same windows of T tokens, each rank holding T / N of them
-(lm.context_parallel). Memory: each rank's peak growth during that step (lm.bench.memory.allocated_peak_mib: tracked
-CPU allocations, or torch's peak allocated memory on CUDA), after a short step has made the gradients, so what is
-counted is what grows with the tokens: activations kept for the backward, the states that cross ranks, their
+(lm.mixers.context_parallel). Memory: each rank's peak growth during that step (lm.bench.memory.allocated_peak_mib:
+tracked CPU allocations, or torch's peak allocated memory on CUDA), after a short step has made the gradients, so what
+is counted is what grows with the tokens: activations kept for the backward, the states that cross ranks, their
 gradients. Speed: the step's wall time on the slowest rank, as tokens/s of the group, against N = 1 in the same run.
 On a CPU with fewer cores than processes the ranks share cores, and the times say so much rather than what N GPUs do.
 """
@@ -23,9 +23,9 @@ import torch.multiprocessing as mp
 from lm.bench.memory import allocated_peak_mib
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
-from lm.context_parallel import join_context_group
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.context_parallel import check_layout, join_context_group
 from lm.model import LanguageModel, LMConfig
 from lm.training.module import next_token_loss
 
@@ -95,9 +95,11 @@ def bench_context(mixers: list[str] = ["attention", "gated_deltanet", "mesa", "h
     unknown = [m for m in mixers if m not in MIXERS]
     if unknown or not mixers:
         raise UserError(f"--mixers must be among {', '.join(sorted(MIXERS))} (unknown: {unknown})")
-    if not pieces or min(pieces) < 1 or any(T % n for n in pieces) or batch < 1:
-        raise UserError(f"--pieces must be numbers of at least 1 that divide --T {T}, and --batch at least 1; got "
-                        f"pieces {pieces}, batch {batch}")
+    if not pieces or batch < 1:
+        raise UserError(f"--pieces must name numbers of pieces, and --batch be at least 1; got pieces {pieces}, "
+                        f"batch {batch}")
+    for n in pieces:
+        check_layout(n, T, what="--pieces", window="--T")
     rows = []
     for mixer in mixers:
         shape = dict(mixer=mixer, d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,

@@ -1,8 +1,9 @@
 """Speed and memory of the sequence ops behind the recurrent mixers: chunkwise form (training) vs recurrent form.
 
-Each mixer's op gets the head shapes its module builds for (d_model, n_heads, head_dim) and random inputs in the ranges
-the module feeds it (the mixer's `bench_op`). Timings are forward + backward. Peak memory is the peak of the tensor
-memory allocated during one chunkwise forward + backward (torch's allocations, tracked; lm.bench.memory).
+Each mixer's op gets the head shapes its module builds for (d_model, n_heads, head_dim) and the inputs the module feeds
+it for a random input (the mixer's `bench_op`: its op call through its own projections at init). Timings are forward +
+backward. Peak memory is the peak of the tensor memory allocated during one chunkwise forward + backward (torch's
+allocations, tracked; lm.bench.memory).
 
 A mixer's VARIANTS (below) add rows with other options (Mesa: fewer CG steps, early stopping at a tolerance), each
 compared with its REFERENCE mixer at the same (d_model, n_heads, head_dim) when that one runs too; the
@@ -15,16 +16,13 @@ import time
 
 import torch
 
-import lm.ops
 from lm.bench.memory import allocated_peak_mib
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
 from lm.errors import UserError
-from lm.mixers import MIXERS, Mixer
-from lm.mixers.protocol import OpCall
+from lm.mixers import MIXERS
+from lm.ops.call import OpCall
 
-OPS = {name: (getattr(lm.ops, name), getattr(lm.ops, f"{name}_recurrent"))  # op name: (chunkwise, recurrent)
-       for name in lm.ops.__all__ if f"{name}_recurrent" in lm.ops.__all__}
 # Rows besides a mixer's default: a label -> the options that differ (none for a mixer not listed). Mesa: fewer CG
 # steps than its 30, and 30 that stop at a tolerance.
 VARIANTS = {"mesa": {"cg 0": {"cg_steps": 0}, "cg 5": {"cg_steps": 5}, "cg 10": {"cg_steps": 10},
@@ -48,8 +46,8 @@ class Form:
 
 
 def bench_mixer_names() -> list[str]:
-    """The mixers with a recurrent op (those that define `bench_op`)."""
-    return [name for name, cls in MIXERS.items() if cls.bench_op is not Mixer.bench_op]
+    """The mixers with a recurrent op (those built on an op of lm.ops)."""
+    return [name for name, cls in MIXERS.items() if cls.recurrent()]
 
 
 @torch.no_grad()
@@ -61,18 +59,21 @@ def op_call(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch
     call = MIXERS[mixer](d_model, n_heads, head_dim, **options).bench_op(batch, T)
     if call is None:
         raise UserError(f"{mixer} has no chunkwise/recurrent op to benchmark")
-    call.args = [a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in call.args]
-    return call, torch.randn(call.out_shape)
+    call.args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in call.args]
+    out = call.forms.chunkwise(*call.args, **call.options)[0]
+    return call, torch.randn(out.shape)
 
 
 def op_inputs(mixer: str, T: int, d_model: int, n_heads: int, head_dim: int, batch: int) -> tuple:
-    """(op name, positional inputs, output projection) of a mixer with default options; the op is OPS[name]."""
+    """(op name, positional inputs, output projection) of a mixer with default options; the op is
+    lm.ops.call.FORMS[name]."""
     call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
     return call.op, call.args, proj
 
 
 def op_fns(call: OpCall) -> tuple[Form, Form]:
-    return Form(call.chunkwise, call.kwargs), Form(call.recurrent, call.kwargs)
+    return Form(call.forms.chunkwise, call.options), Form(call.forms.recurrent, call.recurrent_options())
 
 
 def forward_backward(fn, args: list, proj: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from lm.accounting.memory import STRATEGIES, micro_batch_fits, plan_memory
 from lm.bench.memory import tracked_peak_bytes
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.context_parallel import check_layout
 from lm.model import LanguageModel, LMConfig
 from lm.output import write_json
 from lm.training.module import next_token_loss
@@ -127,9 +128,7 @@ def bench_plan_memory(configs: list[str] | None = None, seq_len: int | None = No
             pieces = pieces if context_parallel is None else context_parallel
             T = seq_len or data.get("seq_len", cfg.max_seq_len)
             b = micro_batch or data.get("micro_batch", 1)
-            if pieces < 1 or T % pieces or world_size % pieces:
-                raise UserError(f"{path}: context_parallel {pieces} must divide seq_len {T} and world_size "
-                                f"{world_size}")
+            check_layout(pieces, T, world_size, what=f"{path}: context_parallel", window="seq_len")
             kw = dict(strategy=strategy, world_size=world_size, precision=precision, context_parallel=pieces)
             rows.append({"config": path, "seq_len": T, "micro_batch": b, "context_parallel": pieces,
                          **plan_memory(cfg, b, T, **kw).gib(),

@@ -14,7 +14,7 @@ import yaml
 
 from lm.accounting.flops import param_count
 from lm.accounting.memory import micro_batch_fits
-from lm.accounting.sizing import match_params_by_mlp
+from lm.accounting.sizing import match_params_by_mlp, whole_patterns
 from lm.mixers import MIXERS
 from lm.model import LMConfig
 from lm.resources import shipped
@@ -29,8 +29,8 @@ def mixer_shape(mixer: str, attention: LMConfig) -> dict:
     return {"n_heads": max(1, int(attention.n_heads * MIXERS[mixer].paper_heads))}
 
 
-# Hybrids: a config name -> the layer pattern cycled over the depth; HYBRID_SOURCES cites where each layout
-# comes from (docs/mesa.md, "Hawk-Mesa's layout").
+# Hybrids: a config name -> the layer pattern repeated over the depth (in whole patterns); HYBRID_SOURCES cites
+# where each layout comes from (docs/mesa.md, "Hawk-Mesa's layout").
 HYBRIDS = {"hawk_mesa": "hawk,mesa", "mesa_attention": "mesa,attention"}
 HYBRID_SOURCES = {  # lines for the header of a hybrid's generated configs
     "hawk_mesa": "# Layout: Hawk and Mesa blocks alternate 1:1, as the MesaNet paper (arXiv 2506.05233 v2)\n"
@@ -53,7 +53,8 @@ def config_text(name: str, size: str) -> str:
     attention = LMConfig(**base["model"])
     pattern = HYBRIDS.get(name)
     mixer = pattern.split(",")[0] if pattern else name
-    cfg = replace(attention, mixer=mixer, layer_pattern=pattern, **mixer_shape(mixer, attention))
+    depth = whole_patterns(attention.n_layers, len(pattern.split(","))) if pattern else attention.n_layers
+    cfg = replace(attention, mixer=mixer, layer_pattern=pattern, n_layers=depth, **mixer_shape(mixer, attention))
     cfg = match_params_by_mlp(cfg, param_count(attention))
     keep = ("mlp_ratio", "n_heads", "layer_pattern")
     base["model"] = {k: v for k, v in asdict(cfg).items() if k in base["model"] or (k in keep and v is not None)}
@@ -61,6 +62,8 @@ def config_text(name: str, size: str) -> str:
     header = (f"# {pattern or mixer} at the MesaNet paper's {size} size: the attention config's backbone,\n"
               f"# recipe and data, with the MLP width matched to its {param_count(attention):,} parameters\n"
               f"# (here {param_count(cfg):,}). Written by python -m lm.compare.paper_sizes.\n"
+              + (f"# {depth} layers rather than {attention.n_layers}: whole {pattern} patterns.\n"
+                 if depth != attention.n_layers else "")
               + HYBRID_SOURCES.get(name, ""))
     return header + yaml.safe_dump(base, sort_keys=False)
 

@@ -4,9 +4,10 @@ budget buys, and ready-to-run `lm train` configs (a learning-rate grid and seeds
     lm compare plan --archs attention,mamba2,mesa,mesa+attention --match params --budget 2.6e18 \
         --base configs/attention/145m.yaml --out runs/compare/145m
 
-Architectures: mixer names, hybrid layer patterns joined by "+" ("mesa+attention", cycled over the depth), or a
-hybrid's name from lm/compare/paper_sizes.py (mesa_attention); any of them followed by "@option=value" (repeatable) is
-a variant with that option on each of its mixers that has it ("mesa@cg_tol=1e-3"), matched and named on its own.
+Architectures: mixer names, hybrid layer patterns joined by "+" ("mesa+attention", repeated over the depth in
+whole patterns), or a hybrid's name from lm/compare/paper_sizes.py (mesa_attention); any of them followed by
+"@option=value" (repeatable) is a variant with that option on each of its mixers that has it ("mesa@cg_tol=1e-3"),
+matched and named on its own.
 
 Target size: `--params N` counts every parameter, the tied embedding included, as the MesaNet paper names its sizes
 (its "145M" is configs/attention/145m.yaml, 146.0M) and as lm/compare/paper_sizes.py matches them; the table also shows
@@ -55,8 +56,10 @@ from typing import Literal
 import yaml
 
 from lm.accounting.flops import flops_notes, param_count, train_flops_per_token
+from lm.config_errors import load_yaml
 from lm.errors import UserError
 from lm.mixers import MIXERS
+from lm.mixers.context_parallel import check_layout
 from lm.mixers.protocol import at_length
 from lm.model import LMConfig
 from lm.output import write_json
@@ -82,7 +85,7 @@ SHAPE_LADDER = (
 @dataclass(frozen=True)
 class Arch:
     label: str  # names files and runs: a mixer's name, or a hybrid's (mixers joined by "_"), with its options
-    mixers: tuple[str, ...]  # the layer pattern, cycled over the depth
+    mixers: tuple[str, ...]  # the layer pattern, repeated over the depth (which holds whole patterns)
     options: tuple[tuple[str, object], ...] = ()  # a variant's own mixer options ("mesa@cg_tol=1e-3")
 
     @property
@@ -195,12 +198,14 @@ def heads_for(arch: Arch, d_model: int, head_dim: int) -> int:
 
 def match_shape(arch: Arch, reference: LMConfig, metric, target: float) -> tuple[LMConfig, str]:
     """arch's config whose metric is within TOLERANCE of target, and the move that got there: the reference shape
-    with the MLP alone refitted (as sizing does) while mlp_ratio stays within 2x of the reference's; else the
-    shape nearest the reference (least sum of |log ratio| of depth, width and mlp_ratio) over the depths (whole
-    layer patterns, up to twice the reference's), each with its MLP fitted; over widths (steps of head_dim, up to
-    twice) only when no depth fits."""
+    with the MLP alone refitted (as sizing does) while mlp_ratio stays within 2x of the reference's, where the
+    reference's depth is a whole number of arch's layer patterns; else the shape nearest the reference (least sum of
+    |log ratio| of depth, width and mlp_ratio) over the depths in whole patterns (up to twice the reference's, at
+    least one pattern), each with its MLP fitted; over widths (steps of head_dim, up to twice) only when no depth
+    fits. A hybrid is never cut: "3:1" over a 2-layer reference is 4 layers, not 2 without attention."""
     d0, depth0, head_dim, ratio0 = reference.d_model, reference.n_layers, reference.head_dim, reference.mlp_ratio
-    depths = range(len(arch.mixers), 2 * depth0 + 1, len(arch.mixers))
+    length = len(arch.mixers)
+    depths = range(length, max(2 * depth0, length) + 1, length)
 
     def shaped(d_model: int, n_layers: int) -> LMConfig:
         return replace(reference, mixer=arch.mixers[0], layer_pattern=arch.layer_pattern, d_model=d_model,
@@ -210,7 +215,7 @@ def match_shape(arch: Arch, reference: LMConfig, metric, target: float) -> tuple
         return sum(abs(math.log(a / b)) for a, b in ((cfg.n_layers, depth0), (cfg.d_model, d0),
                                                      (cfg.mlp_ratio, ratio0)))
 
-    if fitted := fit_mlp(shaped(d0, depth0), metric, target, (ratio0 / 2, 2 * ratio0)):
+    if depth0 % length == 0 and (fitted := fit_mlp(shaped(d0, depth0), metric, target, (ratio0 / 2, 2 * ratio0))):
         return fitted, "mlp"
     for move, widths in (("depth", [d0]), ("width", range(head_dim, 2 * d0 + 1, head_dim))):
         fits = [cfg for cfg in (fit_mlp(shaped(d, n), metric, target) for d in widths for n in depths) if cfg]
@@ -266,7 +271,7 @@ def load_base(base: str | None) -> tuple[dict, "object"]:
         return {}, parse_run_config([])[0]
     if not Path(base).is_file():
         raise UserError(f"base config {base} not found")
-    raw = yaml.safe_load(Path(base).read_text()) or {}
+    raw = load_yaml(base) or {}
     return raw, parse_run_config(["--config", base])[0]
 
 
@@ -416,8 +421,7 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         notes.append(f"Context parallel: each window split over {pieces} ranks of {seq_len // pieces:,} tokens "
                      f"(strategy.context_parallel), the global batch over the processes / {pieces} replicas; the "
                      "FLOPs are the whole window's.")
-        if seq_len % pieces:
-            raise UserError(f"the base's strategy.context_parallel {pieces} does not divide seq_len {seq_len}")
+        check_layout(pieces, seq_len, what="the base's strategy.context_parallel", window="seq_len")
 
     rows = []
     for arch, cfg, move in matched_shapes(arch_list, reference, metric, goal):

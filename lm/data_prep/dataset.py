@@ -57,26 +57,22 @@ def fingerprint(settings: dict, version: int = VERSION) -> str:
 @dataclass(frozen=True)
 class Target:
     """A directory to prepare: the fingerprints of its settings (this version's first, then older versions'), and
-    which documents go into it (those whose `field` is `value`; None: all)."""
+    which documents go into it (a recipe's source: {"field", "value"} or {"source", "files"}; None: all)."""
 
     directory: Path
     fingerprints: tuple[str, ...]
-    field: str | None = None
-    value: str | None = None
+    select: dict | None = None
 
     @property
     def fingerprint(self) -> str:
         return self.fingerprints[0]
 
-    def select(self) -> dict | None:
-        return {"field": self.field, "value": self.value} if self.field else None
 
-
-def make_target(directory: Path, given: dict, field: str | None = None, value: str | None = None) -> Target:
+def make_target(directory: Path, given: dict, select: dict | None = None) -> Target:
     """The target of these settings (plus the selection of a recipe's source, which a plain prepare has not)."""
-    if field is not None:
-        given = {**given, "select": {"field": field, "value": value}}
-    return Target(Path(directory), tuple(fingerprint(given, v) for v in range(VERSION, 0, -1)), field, value)
+    if select is not None:
+        given = {**given, "select": select}
+    return Target(Path(directory), tuple(fingerprint(given, v) for v in range(VERSION, 0, -1)), select)
 
 
 def reusable(out: Path, fps: tuple[str, ...], overwrite: bool) -> dict | None:
@@ -140,8 +136,8 @@ class Output:
             "replaced_bytes": self.replaced,
             "splits": self.writer.close(),
         }
-        if select := self.target.select():
-            manifest["select"] = select
+        if self.target.select is not None:
+            manifest["select"] = self.target.select
         write_json(self.target.directory / MANIFEST, manifest)
         log(f"prepared {self.target.directory}: {summary(manifest)}")
         return manifest

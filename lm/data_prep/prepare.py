@@ -2,7 +2,8 @@
 
 The documents are tokenized in this process or in worker processes (--workers, parallel.py), or by the tasks of a
 SLURM array whose parts a merge writes out (--tasks, parts.py); a recipe (--recipe, recipe.py) routes each document to
-the dataset of its source in the same pass. Whichever way, a dataset's bytes are those of one plain process."""
+the dataset of its source in the same pass, by a field or by the source's own files, all with one tokenizer. Whichever
+way, a dataset's bytes are those of one plain process."""
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -28,10 +29,10 @@ from .dataset import (
     summary,
 )
 from .parallel import tokenized
-from .recipe import Recipe, load_recipe, write_mixture
-from .sample import Sample, sample_documents
+from .recipe import Recipe, RecipeSource, load_recipe, write_mixture
+from .sample import Sample, sample_documents, sample_groups
 from .shards import remove_outputs, sha256_file, token_dtype
-from .sources import Record, Source, make_source
+from .sources import Record, Source, grouped_source, make_source
 from .tokenizer import check_vocab_size, load_tokenizer, tokenizer_key, train_bpe
 
 BUNDLED_CORPUS = shipped("data_prep/corpus/kjv.jsonl.gz")
@@ -83,22 +84,40 @@ class Job:
     workers: int
     progress: bool
 
+    @property
+    def by_files(self) -> bool:
+        """A recipe whose sources name their own files (no field)."""
+        return self.recipe is not None and self.recipe.field is None
+
+    def weights(self) -> dict[str, float]:
+        return {s.group: s.weight for s in self.recipe.sources}
+
     def given(self, identity=source_identity) -> dict:
         """The settings that determine the bytes (dataset.settings), the files named by `identity`."""
-        key = tokenizer_key(self.tokenizer, self.vocab_size, self.sample.key() if self.sample.active else None)
+        sample = self.sample.key() if self.sample.active else None
+        if sample and self.by_files:  # the sample is shared out by weight
+            sample += f",by_source={sorted(self.weights().items())}"
+        key = tokenizer_key(self.tokenizer, self.vocab_size, sample)
         return settings(self.source, key, self.val_fraction, self.seed, self.shard_tokens, identity)
 
+    def select(self, source: RecipeSource) -> dict:
+        """Which documents go to a recipe's source: the field's value, or its files."""
+        if not self.by_files:
+            return {"field": self.recipe.field, "value": source.value}
+        return {"source": source.name, "files": [str(p) for p, g in self.source.file_groups if g == source.group]}
+
     def targets(self) -> dict[str | None, Target]:
-        """The directories to prepare, by the value of the recipe's field that selects their documents (None: all)."""
+        """The directories to prepare, by the group of the recipe's source that selects their documents (None:
+        all)."""
         given = self.given()  # hashes every input file
         if self.recipe is None:
             return {None: make_target(self.out, given)}
-        return {s.value: make_target(self.out / s.name, given, self.recipe.field, s.value) for s in self.recipe.sources}
+        return {s.group: make_target(self.out / s.name, given, self.select(s)) for s in self.recipe.sources}
 
     def plan_check(self, tasks: int) -> dict:
         """What a task or the merge must share with the plan: settings, files by path and size, targets, tasks."""
-        places = ([[str(self.out.resolve()), None, None]] if self.recipe is None else
-                  [[str((self.out / s.name).resolve()), self.recipe.field, s.value] for s in self.recipe.sources])
+        places = ([[str(self.out.resolve()), None]] if self.recipe is None else
+                  [[str((self.out / s.name).resolve()), self.select(s)] for s in self.recipe.sources])
         return {"settings": self.given(files_and_sizes), "targets": places, "tasks": tasks}
 
     def selected(self, records: Iterable[Record], groups, total: int | None = None) -> Iterator[Record]:
@@ -119,7 +138,12 @@ def get_tokenizer(job: Job):
     the number of documents when that pass read them all."""
     if job.tokenizer is not None:
         return load_tokenizer(job.tokenizer), None
-    docs = sample_documents(job.source, job.sample) if job.sample.active else job.source.documents()
+    if not job.sample.active:
+        docs = job.source.documents()  # every source's documents
+    elif job.by_files:
+        docs = sample_groups(job.source, job.sample, job.weights())
+    else:
+        docs = sample_documents(job.source, job.sample)
     seen = tqdm(docs, desc="reading for BPE", unit="doc", disable=not job.progress)
     tok = train_bpe((text for text, _ in seen), job.vocab_size, job.progress)
     return tok, seen.n if job.progress and not job.sample.active else None  # a disabled bar does not count
@@ -140,17 +164,23 @@ def result(job: Job, manifests: dict) -> dict:
     """The manifest; for a recipe, the mixture, written to OUT/mixture.yaml once every source has documents."""
     if job.recipe is None:
         return manifests[None]
-    empty = [f"{s.name} ({s.value})" for s in job.recipe.sources
-             if not sum(e["documents"] for e in manifests[s.value]["splits"].values())]
-    if empty:
-        raise UserError(f"no documents whose {job.recipe.field} is that of source {', '.join(empty)}: drop it from the "
+    empty = [s for s in job.recipe.sources if not sum(e["documents"] for e in manifests[s.group]["splits"].values())]
+    if empty and job.by_files:
+        raise UserError(f"no documents in the files of source {', '.join(s.name for s in empty)}: drop it from the "
                         f"recipe or add its files; {job.out}/mixture.yaml not written")
+    if empty:
+        raise UserError(f"no documents whose {job.recipe.field} is that of source "
+                        f"{', '.join(f'{s.name} ({s.value})' for s in empty)}: drop it from the recipe or add its "
+                        f"files; {job.out}/mixture.yaml not written")
     return write_mixture(job.out, job.recipe)
 
 
 def outputs(job: Job, targets: dict[str | None, Target], tokenizer: dict, dtype: str) -> dict[str | None, Output]:
-    return {group: Output(target, tokenizer, dtype, job.shard_tokens, job.seed, job.val_fraction,
-                          job.source.describe()) for group, target in targets.items()}
+    def described(target: Target) -> list[str]:  # a source of files lists its own
+        return target.select["files"] if target.select and "files" in target.select else job.source.describe()
+
+    return {group: Output(target, tokenizer, dtype, job.shard_tokens, job.seed, job.val_fraction, described(target))
+            for group, target in targets.items()}
 
 
 def run(job: Job, overwrite: bool, tasks: int | None) -> dict:
@@ -161,6 +191,13 @@ def run(job: Job, overwrite: bool, tasks: int | None) -> dict:
         return result(job, manifests)
     if next(job.source.documents(), None) is None:  # fail before touching out
         raise UserError(f"empty corpus: no non-blank documents in {', '.join(job.source.describe())}")
+    if job.by_files:  # each source's files, up to its first document
+        groups = dict(job.source.file_groups)
+        for s in job.recipe.sources:
+            files = tuple(p for p in job.source.files if groups[p] == s.group)
+            if next(replace(job.source, files=files).documents(), None) is None:
+                raise UserError(f"source {s.name} of recipe {job.recipe.path} has no non-blank documents in "
+                                f"{', '.join(map(str, files))}")
     tok, n_docs = get_tokenizer(job)
     saved = [begin(t.directory, tok) for t in targets.values()]  # one tokenizer, saved into each directory
     tokenizer, dtype = saved[0], token_dtype(saved[0]["vocab_size"])
@@ -178,8 +215,8 @@ def run_plan(job: Job, tasks: int, targets: dict[str | None, Target], tokenizer:
     files = job.source.files
     plan = {"check": job.plan_check(tasks), "tasks": tasks, "files": [str(p) for p in files],
             "shares": parts.shares([p.stat().st_size for p in files], tasks),
-            "targets": [{"directory": str(t.directory), "fingerprint": t.fingerprint, "field": t.field,
-                         "value": t.value} for t in targets.values()],
+            "targets": [{"directory": str(t.directory), "fingerprint": t.fingerprint, "select": t.select}
+                        for t in targets.values()],
             "groups": list(targets), "tokenizer": tokenizer, "dtype": dtype}
     parts.write_plan(job.out, plan)
     log(f"planned {tasks} tasks in {parts.parts_dir(job.out)}: run each with --task I (0 to {tasks - 1}), then "
@@ -188,8 +225,8 @@ def run_plan(job: Job, tasks: int, targets: dict[str | None, Target], tokenizer:
 
 
 def plan_targets(plan: dict) -> dict[str | None, Target]:
-    return {t["value"]: Target(Path(t["directory"]), (t["fingerprint"],), t["field"], t["value"])
-            for t in plan["targets"]}
+    return {group: Target(Path(t["directory"]), (t["fingerprint"],), t["select"])
+            for group, t in zip(plan["groups"], plan["targets"], strict=True)}
 
 
 def run_task(job: Job, plan: dict, task: int) -> dict:
@@ -275,8 +312,10 @@ def prepare(
         shard_tokens: Tokens per shard file.
         batch_docs: Documents per tokenizer batch (tokenized in parallel).
         workers: Processes that tokenize (1: this one, on the tokenizer's own threads); the bytes are the same.
-        recipe: A recipe file (configs/data/slimpajama.yaml): each record goes, by a field, to the dataset of its
-            source, out/NAME, in one pass; out/mixture.yaml gives their weights to lm train.
+        recipe: A recipe file (configs/data/slimpajama.yaml, recipe.py): several sources, each record going to the
+            dataset of its source, out/NAME, in one pass, by a field or by the source's own inputs; one tokenizer
+            for all (a BPE trained over every source, or over a sample shared out by weight); out/mixture.yaml gives
+            their weights to lm train.
         tasks: A SLURM array of this many tasks (lm slurm submit --kind prepare): alone, write the tokenizer and the
             plan (each task's share of the files) into out.
         task: With tasks: tokenize task I's share into a part (out/.parts/).
@@ -296,8 +335,13 @@ def prepare(
         tokenizer = tokenizer if tokenizer is not None else book.tokenizer
     elif not inputs and not dataset:
         inputs = [str(BUNDLED_CORPUS)]
-    source = make_source(inputs, dataset=dataset, dataset_config=dataset_config, split=split, streaming=streaming,
-                         data_files=data_files, text_field=text_field, group_field=book.field if book else None)
+    if book is not None and book.field is None:
+        if inputs or dataset:
+            raise UserError(f"recipe {book.path} gives each source its own inputs: give no --inputs or --dataset")
+        source = grouped_source({s.group: s.inputs for s in book.sources}, text_field)
+    else:
+        source = make_source(inputs, dataset=dataset, dataset_config=dataset_config, split=split, streaming=streaming,
+                             data_files=data_files, text_field=text_field, group_field=book.field if book else None)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"output path is not a directory: {out}")

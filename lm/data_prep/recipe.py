@@ -1,6 +1,7 @@
-"""A data recipe (`lm prepare --recipe FILE`, e.g. configs/data/slimpajama.yaml): one corpus whose records name their
-source in a field, prepared in one pass into a dataset per source (OUT/<name>/, one tokenizer), plus OUT/mixture.yaml
-giving each source its weight for `lm train --config ... --config OUT/mixture.yaml`.
+"""A data recipe (`lm prepare --recipe FILE`, e.g. configs/data/slimpajama.yaml): several sources prepared with one
+tokenizer, each into its own dataset (OUT/<name>/), plus OUT/mixture.yaml giving each source its weight for
+`lm train --config ... --config OUT/mixture.yaml`. A source is either the records of one corpus whose field holds its
+value, routed in one pass:
 
     field: meta.redpajama_set_name        # dotted path in each JSON record
     tokenizer: gpt2                       # optional: a tokenizer.json path or hub name; absent or null: train a BPE
@@ -9,13 +10,21 @@ giving each source its weight for `lm train --config ... --config OUT/mixture.ya
       - {name: common_crawl, value: RedPajamaCommonCrawl, weight: 0.522}
       ...
 
-Records whose field holds none of the values are left out (and counted)."""
+or, without `field`, files of its own (paths, directories or globs, relative to where lm prepare runs):
+
+    sources:
+      - {name: books, inputs: [books/], weight: 0.7}
+      - {name: code, inputs: ["code/*.jsonl.zst"], weight: 0.3}
+
+Without `tokenizer`, one BPE is trained over every source's documents (or over a sample of them, shared out by
+weight), so that the datasets can be mixed. Records whose field holds none of the values are left out (and counted)."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from lm.config_errors import load_yaml
 from lm.errors import UserError
 from lm.output import write_atomically
 from lm.resources import shipped
@@ -27,14 +36,20 @@ KEYS = {"field", "tokenizer", "inputs", "sources"}
 @dataclass(frozen=True)
 class RecipeSource:
     name: str  # its directory under OUT, and its name in mixture.yaml
-    value: str  # the field's value that selects its records
+    value: str | None  # the field's value that selects its records (None: its records are those of its inputs)
     weight: float
+    inputs: tuple[str, ...] = ()  # its files, in a recipe without a field
+
+    @property
+    def group(self) -> str:
+        """What routes a record here: the field's value, or (a recipe without a field) the source's name."""
+        return self.value if self.value is not None else self.name
 
 
 @dataclass(frozen=True)
 class Recipe:
     path: Path
-    field: str
+    field: str | None  # None: each source names its own inputs
     sources: tuple[RecipeSource, ...]
     tokenizer: str | None = None
     inputs: tuple[str, ...] = ()
@@ -53,39 +68,55 @@ def recipe_file(path: str) -> Path:
 def load_recipe(path: str) -> Recipe:
     """The recipe, checked: one clear line for a missing file, an unknown key or a bad source."""
     file = recipe_file(path)
-    try:
-        raw = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"recipe {file} is not valid YAML ({' '.join(str(err).split())})") from None
-    if not isinstance(raw, dict) or set(raw) - KEYS or not {"field", "sources"} <= set(raw):
-        raise UserError(f"recipe {file}: needs `field` and `sources` (may have {', '.join(sorted(KEYS))})")
-    if not isinstance(raw["field"], str) or not raw["field"]:
+    raw = load_yaml(file) or {}  # a syntax error: "FILE, line N: what"
+    if not isinstance(raw, dict) or set(raw) - KEYS or "sources" not in raw:
+        raise UserError(f"recipe {file}: needs `sources` (may have {', '.join(sorted(KEYS))})")
+    field = raw.get("field")
+    if field is not None and (not isinstance(field, str) or not field):
         raise UserError(f"recipe {file}: `field` must be a field name (a dotted path)")
-    sources = tuple(recipe_source(item, file) for item in raw["sources"] or ())
+    if not isinstance(raw["sources"] or [], list):
+        raise UserError(f"recipe {file}: `sources` must be a list")
+    sources = tuple(recipe_source(item, file, field) for item in raw["sources"] or ())
     if not sources:
-        raise UserError(f"recipe {file}: `sources` must list at least one {{name, value, weight}}")
+        raise UserError(f"recipe {file}: `sources` must list at least one source")
     for key in ("name", "value"):
-        seen = [getattr(s, key) for s in sources]
+        seen = [getattr(s, key) for s in sources if getattr(s, key) is not None]
         if len(set(seen)) < len(seen):
             raise UserError(f"recipe {file}: two sources share a {key}")
     inputs = raw.get("inputs") or ()
-    if isinstance(inputs, str) or not all(isinstance(i, str) for i in inputs):
+    if not is_paths(inputs):
         raise UserError(f"recipe {file}: `inputs` must be a list of paths or globs")
-    return Recipe(file, raw["field"], sources, raw.get("tokenizer"), tuple(inputs))
+    if inputs and field is None:
+        raise UserError(f"recipe {file}: `inputs` belongs to a recipe with a `field`; without one, each source "
+                        "names its own inputs")
+    return Recipe(file, field, sources, raw.get("tokenizer"), tuple(inputs))
 
 
-def recipe_source(item, file: Path) -> RecipeSource:
-    """One entry of `sources`: a plain directory name, the field's value, a positive weight."""
-    if not isinstance(item, dict) or set(item) != {"name", "value", "weight"}:
-        raise UserError(f"recipe {file}: each source is {{name, value, weight}}, got {item!r}")
-    name, value, weight = item["name"], item["value"], item["weight"]
+def is_paths(value) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(i, str) for i in value)
+
+
+def recipe_source(item, file: Path, field: str | None) -> RecipeSource:
+    """One entry of `sources`: a plain directory name, a positive weight, and the field's value that selects its
+    records (a recipe with a field) or its own non-empty `inputs` (a recipe without)."""
+    keys = {"name", "value" if field is not None else "inputs", "weight"}
+    if not isinstance(item, dict) or set(item) != keys:
+        shape = "{" + ", ".join(sorted(keys, key=["name", "value", "inputs", "weight"].index)) + "}"
+        why = "" if field is not None else " (a recipe without `field` gives each source its inputs)"
+        raise UserError(f"recipe {file}: each source is {shape}{why}, got {item!r}")
+    name, weight = item["name"], item["weight"]
     if not isinstance(name, str) or not name or Path(name).name != name or name.startswith("."):
         raise UserError(f"recipe {file}: source name {name!r} must be a plain directory name")
-    if not isinstance(value, str):
-        raise UserError(f"recipe {file}: source {name}: value must be text, got {value!r}")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
         raise UserError(f"recipe {file}: source {name}: weight must be a positive number, got {weight!r}")
-    return RecipeSource(name, value, float(weight))
+    if field is None:
+        if not is_paths(item["inputs"]) or not item["inputs"]:
+            raise UserError(f"recipe {file}: source {name}: inputs must be a non-empty list of paths or globs, got "
+                            f"{item['inputs']!r}")
+        return RecipeSource(name, None, float(weight), tuple(item["inputs"]))
+    if not isinstance(item["value"], str):
+        raise UserError(f"recipe {file}: source {name}: value must be text, got {item['value']!r}")
+    return RecipeSource(name, item["value"], float(weight))
 
 
 def write_mixture(out: Path, recipe: Recipe) -> dict:

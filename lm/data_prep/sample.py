@@ -3,7 +3,9 @@ a large corpus is then read once to tokenize, not twice.
 
 The sample spreads over the corpus without reading it all: the input files in an order shuffled by the seed, each read
 from its start, until the budget is spent. Files it does not reach are never opened. A corpus that is shuffled across
-its files (SlimPajama's chunks) gives a fair sample this way; a dataset gives its first documents."""
+its files (SlimPajama's chunks) gives a fair sample this way; a dataset gives its first documents. A recipe whose
+sources name their own files shares the budget out by the sources' weights, so that every source is in the sample as
+much as in training."""
 
 import random
 from collections.abc import Iterator
@@ -55,3 +57,20 @@ def sample_documents(source: Source, sample: Sample) -> Iterator[Document]:
                 return  # before reading on: a file past the budget is not even opened
     finally:
         docs.close()  # the file being read is closed now, not when the generator is collected
+
+
+def shared_out(sample: Sample, weights: dict[str, float]) -> dict[str, Sample]:
+    """Each group's part of the budget, in proportion to its weight (at least one document or byte)."""
+    total = sum(weights.values())
+
+    def part(budget: int | None, weight: float) -> int | None:
+        return None if budget is None else max(1, round(budget * weight / total))
+
+    return {group: Sample(part(sample.docs, w), part(sample.bytes, w), sample.seed) for group, w in weights.items()}
+
+
+def sample_groups(source: Source, sample: Sample, weights: dict[str, float]) -> Iterator[Document]:
+    """A sample of each group's files (source.file_groups) within its share of the budget, group after group."""
+    groups = dict(source.file_groups)
+    for group, part in shared_out(sample, weights).items():
+        yield from sample_documents(replace(source, files=tuple(p for p in source.files if groups[p] == group)), part)

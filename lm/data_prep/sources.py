@@ -1,8 +1,8 @@
 """Documents from local files (.txt, .jsonl, .parquet, gzip- or zstd-compressed .txt/.jsonl) or a `datasets` dataset.
 
 Every reader yields records (text, n_replaced, group): the document, how many U+FFFD replacements decoding
-introduced, and the value of a field that routes it to one of several datasets (None unless a group_field is asked
-for: `lm prepare --recipe`). Documents are (text, n_replaced).
+introduced, and what routes it to one of several datasets (`lm prepare --recipe`): the value of a field (group_field),
+or the group its file belongs to (file_groups); None otherwise. Documents are (text, n_replaced).
 """
 
 import glob
@@ -220,6 +220,14 @@ class Source:
     data_files: tuple[str, ...] | None = None
     text_field: str = "text"
     group_field: str | None = None
+    file_groups: tuple[tuple[Path, str], ...] | None = None  # each file's group, instead of a group_field
+
+    def read(self, path: Path) -> Iterator[Record]:
+        """One file's records, with its group when the files are grouped."""
+        if self.file_groups is None:
+            return read_file(path, self.text_field, self.group_field)
+        group = dict(self.file_groups)[path]
+        return ((text, replaced, group) for text, replaced, _ in read_file(path, self.text_field))
 
     def records(self) -> Iterator[Record]:
         """Yield (text, n_replaced, group) for each non-blank document, in a fixed order; files are opened one at a
@@ -229,7 +237,7 @@ class Source:
             docs = read_dataset(self.dataset, self.dataset_config, self.split, self.streaming, files, self.text_field,
                                 self.group_field)
         else:
-            docs = (doc for path in self.files for doc in read_file(path, self.text_field, self.group_field))
+            docs = (doc for path in self.files for doc in self.read(path))
         for record in docs:
             if record[0].strip():
                 yield record
@@ -262,6 +270,17 @@ def make_source(inputs: Sequence[str | os.PathLike] = (), *, dataset: str | None
     files = () if dataset else tuple(resolve_inputs(inputs))
     return Source(files, dataset, dataset_config, split, streaming,
                   tuple(data_files) if data_files else None, text_field, group_field)
+
+
+def grouped_source(inputs_by_group: dict[str, Sequence[str]], text_field: str = "text") -> Source:
+    """The files of several groups (a recipe's sources without a field), in the groups' order: each file's records
+    go to its group. A file in two groups is refused, as it would be in two datasets."""
+    owner = {}
+    for group, inputs in inputs_by_group.items():
+        for path in resolve_inputs(inputs):
+            if owner.setdefault(path, group) != group:
+                raise UserError(f"{path} is an input of two sources, {owner[path]} and {group}: give each file to one")
+    return Source(tuple(owner), text_field=text_field, file_groups=tuple(owner.items()))
 
 
 def iter_documents(inputs: Sequence[str | os.PathLike] = (), **kwargs) -> Iterator[Document]:

@@ -7,13 +7,17 @@ A model trained with resets (data.reset_at_documents) is evaluated with them, an
 tokens the model has seen of the current document: from the document's separator, or from the window's start for a
 document that began before the window. NLL_k is then the mean over the tokens at position k, however many.
 `--positions document` counts that way for any model (to put a model without resets on the same axis).
+
+A run trained on a mixture (data.sources) is evaluated on each source, and as the mixture: each source's loss and NLL_k
+weighted by its share of the training windows, as validation weights val/loss.
 """
 
 import csv
 import hashlib
 import json
 import math
-import sys
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +29,15 @@ from lm.eval.wandb_log import log_to_run
 from lm.mixers.layers import steps_since_reset
 from lm.output import write_json
 from lm.training.checkpoint import load_model, run_dir_of
-from lm.training.data import TokenStream, ValidationWindows
+from lm.training.data import (
+    DataConfig,
+    DataSource,
+    TokenStream,
+    ValidationWindows,
+    check_one_tokenizer,
+    source_name,
+)
+from lm.training.mixture import MixtureSchedule
 
 
 def positions_in_documents(inputs: torch.Tensor, separator: int | None) -> torch.Tensor:
@@ -130,14 +142,103 @@ def plot_difference(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run_data_path(data: dict) -> str | None:
-    """The run's data directory: data.path, or for a mixture its first source (the caller says which)."""
-    if data.get("path") or not data.get("sources"):
-        return data.get("path")
-    path = data["sources"][0]["path"]
-    print(f"lm eval ppl: the run trained on a mixture; evaluating its first source, {path} (--data for another)",
-          file=sys.stderr)
-    return path
+@dataclass(frozen=True)
+class Target:
+    """One data directory to evaluate. `label` names its result folder, ppl-SPLIT-TLEN-LABEL (None: the run's own
+    data, in the default folder ppl-SPLIT-TLEN); `weight` is its share of a mixture evaluated whole (else None)."""
+
+    path: str
+    label: str | None = None
+    weight: float | None = None
+
+
+def folder_label(name: str) -> str:
+    """`name` fit for the end of a folder name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def same_directory(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def eval_targets(run_data: dict, data: str | None) -> list[Target]:
+    """What to evaluate. Without --data, the run's data: data.path, or every source of a mixture with its share of the
+    training windows (the shares lm.training.mixture draws and validation weights by). --data alone: in the default
+    folder when it is the run's one data directory, else in a folder named after the run's source it is, or after the
+    directory, so that no evaluation of other data overwrites another."""
+    given = {key: run_data[key] for key in ("path", "sources") if run_data.get(key)}
+    run = DataConfig(**given).mixture() if given else []
+    mixture = len(run) > 1
+    if data is None:
+        if not run:
+            raise UserError("no data directory: pass --data")
+        if not mixture:
+            return [Target(run[0].path)]
+        shares = MixtureSchedule([s.weight for s in run]).shares
+        return [Target(s.path, folder_label(s.name), float(w)) for s, w in zip(run, shares, strict=True)]
+    same = next((s for s in run if same_directory(s.path, data)), None)
+    if same is not None and not mixture:
+        return [Target(data)]
+    return [Target(data, folder_label(same.name if same else source_name(data)))]
+
+
+def folder_name(split: str, length: int, label: str | None) -> str:
+    return f"ppl-{split}-T{length}" + (f"-{label}" if label else "")
+
+
+def check_folders(folders: dict, targets: list[Target]) -> None:
+    """A folder named after a directory must not hold the evaluation of another directory of the same name (that is
+    still there)."""
+    by_label = {t.label: t for t in targets}
+    for (_, label), folder in folders.items():
+        if label is None or label not in by_label or not (folder / "ppl.json").is_file():
+            continue
+        try:
+            earlier = json.loads((folder / "ppl.json").read_text()).get("data")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a result of ours: rewritten
+        if isinstance(earlier, str) and Path(earlier).is_dir() and not same_directory(earlier, by_label[label].path):
+            raise UserError(f"{folder} holds the evaluation of {earlier}, another directory named "
+                            f"{label}: pass --out")
+
+
+def curve(sums: np.ndarray, tokens: np.ndarray, length: int) -> tuple[list[dict], float]:
+    """(the CSV's rows at log-spaced positions, the mean NLL over every token)."""
+    with np.errstate(invalid="ignore"):  # a position no token reached (with resets) is NaN
+        nll, running = sums / tokens, np.cumsum(sums) / np.cumsum(tokens)
+    rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1]),
+             "tokens": int(tokens[k - 1])} for k in log_spaced_positions(length)]
+    return rows, float(sums.sum() / tokens.sum())
+
+
+def weighted(results: list[dict], curves: list[list[dict]], targets: list[Target]) -> tuple[dict, list[dict]]:
+    """A mixture's result and curve: each source's loss and NLL at each position, weighted by its share."""
+    w = [t.weight for t in targets]
+    rows = [{"position": parts[0]["position"],
+             "nll": sum(wi * r["nll"] for wi, r in zip(w, parts)),
+             "running_mean": sum(wi * r["running_mean"] for wi, r in zip(w, parts)),
+             "tokens": sum(r["tokens"] for r in parts)} for parts in zip(*curves, strict=True)]
+    loss = sum(wi * r["loss"] for wi, r in zip(w, results))
+    first = results[0]
+    result = {"checkpoint": first["checkpoint"], "data": [t.path for t in targets], "split": first["split"],
+              "seq_len": first["seq_len"], "trained_seq_len": first["trained_seq_len"],
+              "windows": sum(r["windows"] for r in results), "tokens": sum(r["tokens"] for r in results),
+              "loss": loss, "ppl": math.exp(loss), "reset_at_documents": first["reset_at_documents"],
+              "positions": first["positions"],
+              "sources": {t.label: {key: r[key] for key in ("data", "weight", "windows", "tokens", "loss", "ppl")}
+                          for t, r in zip(targets, results, strict=True)}}
+    return result, rows
+
+
+def write_result(folder: Path, result: dict, rows: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "ppl.json", result)
+    with open(folder / "per_position.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_curve(rows, folder / "per_position.png",
+               f"{result['split']}: ppl {result['ppl']:.2f} at T={result['seq_len']}")
 
 
 def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validation", seq_len: int | None = None,
@@ -146,14 +247,21 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
                  positions: str | None = None) -> dict:
     """Perplexity of a checkpoint, overall and by position; writes ppl.json, per_position.csv and .png.
 
+    A run trained on a mixture (data.sources) is evaluated on every source, each in its own folder
+    (ppl-SPLIT-TLEN-NAME), and as the mixture in the default folder: each source's loss and NLL at each position
+    weighted by its share of the training windows, with every source's result in ppl.json and the printed line.
+
     Args:
         checkpoint: A checkpoint file, or a run directory (its newest checkpoint).
-        data: Prepared data directory (default: the run's data.path).
+        data: Prepared data directory (default: the run's data: data.path, or every source of data.sources). Other
+            data than the run's own is written to RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN-NAME, NAME the run's name for that
+            source, else the directory's name.
         split: Split to evaluate.
         seq_len: Window length (default: the run's data.seq_len).
-        max_windows: Evaluate at most this many windows (default: all).
+        max_windows: Evaluate at most this many windows (of each source; default: all).
         batch_size: Windows per forward pass.
-        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN; with several multiples, one per length).
+        out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN); where several folders are written (several
+            multiples, or a mixture's sources), the folder that holds them, named as under RUN_DIR/eval.
         multiples: Also evaluate at these multiples of seq_len ([1, 2, 4]: length extrapolation).
         reference: Another run's `lm eval ppl` output (folder or per_position.csv) at the same length: adds the
             per-position NLL difference to it (CSV column and per_position_vs_reference.png).
@@ -172,54 +280,66 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     model, hparams = load_model(checkpoint)
     run_dir = run_dir_of(checkpoint)
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
-    data = data or run_data_path(run_config.get("data", {}))
+    targets = eval_targets(run_config.get("data") or {}, data)
+    mixture = targets[0].weight is not None
     seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
-    if data is None:
-        raise UserError("no data directory: pass --data")
     resets = model.cfg.document_separator is not None
     positions = positions or ("document" if resets else "window")
-    stream = TokenStream(data, split, verify=False)
-    separator = stream.manifest["tokenizer"].get("sep_id") if positions == "document" else None
+    streams = [TokenStream(t.path, split, verify=False) for t in targets]  # every one found before any is evaluated
+    for target, stream in zip(targets, streams, strict=True):
+        check_tokenizer(run_dir, target.path, stream.manifest, hparams["model"]["vocab_size"])
+    check_one_tokenizer([DataSource(t.path) for t in targets], [s.manifest for s in streams])
+    separator = streams[0].manifest["tokenizer"].get("sep_id") if positions == "document" else None
     if positions == "document" and separator is None:
-        raise UserError(f"--positions document: {data}/manifest.json names no separator id")
-    check_tokenizer(run_dir, data, stream.manifest, hparams["model"]["vocab_size"])
+        raise UserError(f"--positions document: {targets[0].path}/manifest.json names no separator id")
     ref_curve = read_curve(reference) if reference else None
+    if ref_curve is not None:
+        missing = [k for k in log_spaced_positions(seq_len * multiples[0]) if k not in ref_curve]
+        if missing:
+            raise UserError(f"reference {reference} was not evaluated at length {seq_len * multiples[0]} (no "
+                            f"position {missing[-1]}): evaluate both at the same --seq_len")
+    labels = ([None] if mixture else []) + [t.label for t in targets]
+    names = {(m * seq_len, label): folder_name(split, m * seq_len, label) for m in multiples for label in labels}
+    folders = {key: (run_dir / "eval" / name if out is None else Path(out) if len(names) == 1 else Path(out) / name)
+               for key, name in names.items()}
+    if out is None:
+        check_folders(folders, targets)
     by_length = {}
     for multiple in multiples:
         length = seq_len * multiple
-        sums, tokens, n_windows, mixer_metrics = per_position_nll(
-            model, ValidationWindows(stream, length, max_windows), batch_size, separator)
-        with np.errstate(invalid="ignore"):  # a position no token reached (with resets) is NaN
-            nll, running = sums / tokens, np.cumsum(sums) / np.cumsum(tokens)
-        rows = [{"position": k, "nll": float(nll[k - 1]), "running_mean": float(running[k - 1]),
-                 "tokens": int(tokens[k - 1])} for k in log_spaced_positions(length)]
-        loss = float(sums.sum() / tokens.sum())
-        result = {"checkpoint": str(checkpoint), "data": data, "split": split, "seq_len": length,
-                  "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
-                  "ppl": math.exp(loss), "reset_at_documents": resets, "positions": positions}
-        if mixer_metrics:
-            result["mixer_metrics"] = mixer_metrics
-        name = f"ppl-{split}-T{length}"
-        out_dir = run_dir / "eval" / name if out is None else Path(out) if len(multiples) == 1 else Path(out) / name
-        out_dir.mkdir(parents=True, exist_ok=True)
+        results, curves = [], []
+        for target, stream in zip(targets, streams, strict=True):
+            sums, tokens, n_windows, mixer_metrics = per_position_nll(
+                model, ValidationWindows(stream, length, max_windows), batch_size, separator)
+            rows, loss = curve(sums, tokens, length)
+            result = {"checkpoint": str(checkpoint), "data": target.path, "split": split, "seq_len": length,
+                      "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
+                      "ppl": math.exp(loss), "reset_at_documents": resets, "positions": positions}
+            if target.weight is not None:
+                result["weight"] = target.weight
+            if mixer_metrics:
+                result["mixer_metrics"] = mixer_metrics
+            results.append(result)
+            curves.append(rows)
+        if mixture:
+            for target, result, rows in zip(targets, results, curves, strict=True):
+                write_result(folders[(length, target.label)], result, rows)
+        result, rows = weighted(results, curves, targets) if mixture else (results[0], curves[0])
+        folder = folders[(length, None if mixture else targets[0].label)]
         if ref_curve is not None and multiple == multiples[0]:
-            missing = [r["position"] for r in rows if r["position"] not in ref_curve]
-            if missing:
-                raise UserError(f"reference {reference} was not evaluated at length {length} (no position "
-                                f"{missing[-1]}): evaluate both at the same --seq_len")
             for r in rows:
                 r["nll_minus_reference"] = r["nll"] - ref_curve[r["position"]]
             result["reference"] = str(reference)
-            plot_difference(rows, out_dir / "per_position_vs_reference.png",
+            folder.mkdir(parents=True, exist_ok=True)
+            plot_difference(rows, folder / "per_position_vs_reference.png",
                             f"{split}, T={length}: NLL minus the reference's")
-        write_json(out_dir / "ppl.json", result)
-        with open(out_dir / "per_position.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        plot_curve(rows, out_dir / "per_position.png", f"{split}: ppl {result['ppl']:.2f} at T={length}")
+        write_result(folder, result, rows)
         print(json.dumps(result))
         by_length[length] = result
     first = by_length[seq_len * multiples[0]]
-    log_to_run(run_dir, f"ppl-{split}", {f"ppl_T{length}": r["ppl"] for length, r in by_length.items()})
+    logged = {f"ppl_T{length}": r["ppl"] for length, r in by_length.items()}
+    for length, r in by_length.items():
+        logged.update({f"ppl_T{length}/{name}": s["ppl"] for name, s in r.get("sources", {}).items()})
+    label = None if mixture else targets[0].label
+    log_to_run(run_dir, f"ppl-{split}" + (f"-{label}" if label else ""), logged)
     return {**first, "ppl_by_length": {length: r["ppl"] for length, r in by_length.items()}}

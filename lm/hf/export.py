@@ -16,6 +16,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from lm.data_prep.tokenizer import separator
 from lm.hf.config import LMHFConfig
 from lm.model import LMConfig
+from lm.output import user_mode
 
 WEIGHTS, PREFIX = "model.safetensors", "model."  # LMForCausalLM holds the LanguageModel as .model
 
@@ -38,6 +39,7 @@ def save_hf(state_dict: dict, config: LMConfig, out: str | Path, tokenizer_file:
     out.mkdir(parents=True, exist_ok=True)
     save_file({PREFIX + k: v.detach().cpu().float().contiguous().clone() for k, v in state_dict.items()},
               str(out / WEIGHTS), metadata={"format": "pt"})
+    user_mode(out / WEIGHTS)
     LMHFConfig(lm=asdict(config), vocab_size=config.vocab_size, hidden_size=config.d_model,
                num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
                max_position_embeddings=config.max_seq_len, bos_token_id=sep, eos_token_id=sep, pad_token_id=sep,

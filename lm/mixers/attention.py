@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.mixers.context import gather_pieces
+from lm.mixers.context_parallel import gather_pieces
 from lm.mixers.flex_masks import attention_block_mask, flex_attend
 from lm.mixers.layers import decay_group, residual_output, steps_since_reset
 from lm.mixers.protocol import Mixer, MixerOptionError, register
@@ -118,7 +118,8 @@ class Attention(Mixer):
         call, or documents), which SDPA would take dense and FlexAttention by blocks; SDPA elsewhere: its is_causal
         kernel for the causal mask, the decoding steps (a new block mask per step), and the CPU, where FlexAttention
         trains only in its math form, several times slower than SDPA, and its compiled inference kernel gains only at
-        long lengths with most blocks masked, after a compile per length (docs/performance.md)."""
+        long lengths with most blocks masked, after a compile per length (docs/performance-history.md,
+        "FlexAttention")."""
         if self.options.kernel != "auto":
             return self.options.kernel
         return "flex" if device.type == "cuda" and seen == 0 and not self.plain_causal(T, seen, starts) else "sdpa"
@@ -189,12 +190,12 @@ class Attention(Mixer):
         """The last window - 1 of keys (or values) [B, heads, T, head_dim]: what the next token can see of them."""
         return keys[:, :, max(0, keys.shape[2] - (self.window - 1)):]
 
-    @torch.compiler.disable  # eager under torch.compile, as lm.mixers.context.mix_in_parallel says why
+    @torch.compiler.disable  # eager under torch.compile, as lm.mixers.context_parallel.mix_in_parallel says why
     def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
-        """The output on this rank's piece x of each window (lm.mixers.context): its queries, keys and values at their
-        positions in the window (RoPE counts from rank i's first token, i x the piece; with documents, from the start
-        of the document the piece begins in, found from the gathered resets), then the earlier pieces' keys and
-        values gathered from their ranks (SWA keeps the last window - 1)."""
+        """The output on this rank's piece x of each window (lm.mixers.context_parallel): its queries, keys and values
+        at their positions in the window (RoPE counts from rank i's first token, i x the piece; with documents, from
+        the start of the document the piece begins in, found from the gathered resets), then the earlier pieces' keys
+        and values gathered from their ranks (SWA keeps the last window - 1)."""
         B, length, _ = x.shape
         seen, start = group.index * length, None
         if reset is not None:  # the document a piece begins in starts at the last reset before it (or at 0)

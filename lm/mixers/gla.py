@@ -1,6 +1,5 @@
 """Gated Linear Attention (Yang et al., ICML 2024): linear attention with a data-dependent decay per key dimension."""
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -8,11 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import GatedRMSNorm, ShortConv, residual_output
-from lm.mixers.protocol import Mixer, OpCall, register
-from lm.ops import linear_attention, linear_attention_recurrent
-from lm.ops.common import compute_dtype, effective_chunk_size
-from lm.ops.flops import gla_op_flops, gla_op_train_flops, padding_factor
-from lm.ops.state_transfer import carry_decayed, piece_log_decay
+from lm.mixers.protocol import Mixer, register
+from lm.ops.call import OpCall
+from lm.ops.common import compute_dtype
 
 
 @register("gla")
@@ -47,7 +44,7 @@ class GLA(Mixer):
         conv_size: int = 0
         output_norm: bool = True  # false: o * w * silu(W_r x), without the per-head RMSNorm
         chunk_size: int = 64
-        sub_chunk: int = 8  # the op's secondary chunks (GLA's paper; the speed trade-off in docs/performance.md)
+        sub_chunk: int = 8  # the op's secondary chunks (GLA's paper; the trade-off: docs/performance-history.md)
         backend: str = "auto"
 
     paper_heads = 0.5
@@ -76,8 +73,8 @@ class GLA(Mixer):
         logits = self.decay_up(self.decay_down(x)).to(compute_dtype(x))
         return (F.logsigmoid(logits) / self.temperature).view(B, T, self.n_heads, self.key_dim)
 
-    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        """(q, k, v, log decay) for the op, and the convs' new states (a dict, empty without convs)."""
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None) -> OpCall:
+        """Linear attention on (q, k, v) with a per-key log decay, scale 1 / sqrt(K)."""
         B, T, _ = x.shape
         tails = {}
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -86,52 +83,11 @@ class GLA(Mixer):
             k, tails["k_conv"] = self.convs["k_conv"](k, state.get("k_conv"), reset)
             v, tails["v_conv"] = self.convs["v_conv"](v, state.get("v_conv"), reset)
         q, k = q.view(B, T, self.n_heads, self.key_dim), k.view(B, T, self.n_heads, self.key_dim)
-        return q, k, v.view(B, T, self.n_heads, self.value_dim), self.log_decay(x), tails
+        args = (q, k, v.view(B, T, self.n_heads, self.value_dim), self.log_decay(x), None, self.key_dim ** -0.5)
+        options = {"chunk_size": self.chunk_size, "sub_chunk": self.sub_chunk, "backend": self.backend}
+        return OpCall("linear_attention", args, options, state=tails)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_output(self, x: torch.Tensor, out: torch.Tensor, call: OpCall) -> torch.Tensor:
         B, T, _ = x.shape
-        state = state or {}
-        q, k, v, log_decay, new_state = self.op_inputs(x, state, reset)
-        scale, memory = self.key_dim ** -0.5, state.get("memory")
-        if T == 1 and memory is not None:
-            o, new_state["memory"] = linear_attention_recurrent(q, k, v, log_decay, None, scale, initial_state=memory,
-                                                                reset=reset)
-        else:
-            o, new_state["memory"] = linear_attention(q, k, v, log_decay, None, scale, initial_state=memory,
-                                                      reset=reset, chunk_size=self.chunk_size,
-                                                      sub_chunk=self.sub_chunk, backend=self.backend)
-        o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
-        return self.out_proj(o.reshape(B, T, -1)), new_state
-
-    carried = "memory"
-
-    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        q, k, v, log_decay, _ = self.op_inputs(x, state, reset)
-        _, final = linear_attention(q, k, v, log_decay, None, self.key_dim ** -0.5, reset=reset,
-                                    chunk_size=self.chunk_size, sub_chunk=self.sub_chunk, backend=self.backend)
-        return final, piece_log_decay(log_decay, reset)
-
-    carry = staticmethod(carry_decayed)
-
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """linear_attention with a per-key decay (lm.ops.flops.gla_op_flops), at the chunk the op uses: a whole
-        number of sub-chunks."""
-        o = cls.check_options(options)
-        sub = effective_chunk_size(o.sub_chunk, effective_chunk_size(o.chunk_size, seq_len))
-        chunk = math.ceil(effective_chunk_size(o.chunk_size, seq_len) / sub) * sub
-        v = int(round(o.expand_v * head_dim))
-        if training:
-            per_token = gla_op_train_flops(chunk, head_dim, v, sub, math.ceil(seq_len / chunk))
-        else:
-            per_token = gla_op_flops(chunk, head_dim, v, sub)
-        return n_heads * padding_factor(seq_len, chunk) * per_token
-
-    @torch.no_grad()
-    def bench_op(self, batch: int, T: int) -> OpCall:
-        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
-        K, V = self.key_dim, self.value_dim
-        log_decay = F.logsigmoid(randn(K)) / self.temperature  # the decay's range at init
-        args = [randn(K), randn(K), randn(V), log_decay, None, K**-0.5]
-        return OpCall("linear_attention", linear_attention, linear_attention_recurrent, args,
-                      (batch, T, self.n_heads, V))
+        o = self.norm(out, self.g_proj(x).view(B, T, self.n_heads, self.value_dim))
+        return self.out_proj(o.reshape(B, T, -1))

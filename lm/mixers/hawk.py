@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import ShortConv, no_weight_decay, residual_output
-from lm.mixers.protocol import Mixer, OpCall, register
-from lm.ops import diagonal_scan, diagonal_scan_recurrent
+from lm.mixers.protocol import Mixer, register
+from lm.ops.call import OpCall
 from lm.ops.common import compute_dtype
-from lm.ops.state_transfer import carry_decayed, piece_log_decay
 
 
 class BlockDiagonalLinear(nn.Module):
@@ -103,37 +102,12 @@ class Hawk(Mixer):
         # sqrt(1 - a^2) = sqrt(-expm1(2 log a)), exact for a near 1 where 1 - a^2 would cancel.
         return torch.sqrt(-torch.expm1(2 * log_a)) * (i * u.to(dtype)), log_a
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
-        state = state or {}
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None) -> OpCall:
+        """The RG-LRU as a diagonal scan on (x, log a) from the conv's output."""
         u, conv_state = self.conv(self.x_proj(x), state.get("conv"), reset)
         xs, log_a = self.scan_inputs(u)
-        if x.shape[1] == 1 and "rnn" in state:
-            h, rnn_state = diagonal_scan_recurrent(xs, log_a, initial_state=state["rnn"], reset=reset)
-        else:
-            h, rnn_state = diagonal_scan(xs, log_a, initial_state=state.get("rnn"), reset=reset,
-                                         chunk_size=self.chunk_size, backend=self.backend)
-        y = F.gelu(self.gate_proj(x), approximate="tanh") * h.to(x.dtype)
-        return self.out_proj(y), {"conv": conv_state, "rnn": rnn_state}
+        return OpCall("diagonal_scan", (xs, log_a), {"chunk_size": self.chunk_size, "backend": self.backend},
+                      state={"conv": conv_state})
 
-    carried = "rnn"
-
-    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        u, _ = self.conv(self.x_proj(x), state.get("conv"), reset)
-        xs, log_a = self.scan_inputs(u)
-        _, final = diagonal_scan(xs, log_a, reset=reset, chunk_size=self.chunk_size, backend=self.backend)
-        return final, piece_log_decay(log_a, reset)
-
-    carry = staticmethod(carry_decayed)
-
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """The scan is elementwise (lm.ops.flops.diagonal_scan_op_flops): no matrix products."""
-        return 0.0
-
-    @torch.no_grad()
-    def bench_op(self, batch: int, T: int) -> OpCall:
-        W = self.rnn_width
-        r = torch.sigmoid(torch.randn(batch, T, W))
-        log_a = -self.c * r * F.softplus(self.a_param)  # the decays of Lambda's init
-        x = torch.sqrt(-torch.expm1(2 * log_a)) * torch.randn(batch, T, W)
-        return OpCall("diagonal_scan", diagonal_scan, diagonal_scan_recurrent, [x, log_a], (batch, T, W))
+    def op_output(self, x: torch.Tensor, out: torch.Tensor, call: OpCall) -> torch.Tensor:
+        return self.out_proj(F.gelu(self.gate_proj(x), approximate="tanh") * out.to(x.dtype))

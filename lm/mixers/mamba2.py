@@ -7,11 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import GatedRMSNorm, ShortConv, init_dt_bias, no_weight_decay, residual_output
-from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
-from lm.ops import linear_attention, linear_attention_recurrent
-from lm.ops.common import compute_dtype, effective_chunk_size
-from lm.ops.flops import linear_attention_op_flops, padding_factor
-from lm.ops.state_transfer import carry_decayed, piece_log_decay
+from lm.mixers.protocol import Mixer, MixerOptionError, register
+from lm.ops.call import OpCall
+from lm.ops.common import compute_dtype
 
 
 @register("mamba2")
@@ -67,12 +65,12 @@ class Mamba2(Mixer):
             self.D.fill_(1.0)
         init_dt_bias(self.dt_bias)
 
-    def op_inputs(self, x: torch.Tensor, state: dict | None, reset: torch.Tensor | None):
-        """(z, the op's c, b, x, log gamma and dt, the conv's new state)."""
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None) -> OpCall:
+        """SSD as linear attention on (c, b, x, log gamma = dt A, beta = dt); z and x kept for the output."""
         B, T, _ = x.shape
         H, N, G = self.n_heads, self.state_size, self.n_groups
         z, xbc, dt = self.in_proj(x).split([self.inner, self.inner + 2 * G * N, H], dim=-1)
-        xbc, conv_state = self.conv(xbc, (state or {}).get("conv"), reset)
+        xbc, conv_state = self.conv(xbc, state.get("conv"), reset)
         xs, b, c = xbc.split([self.inner, G * N, G * N], dim=-1)
         xs = xs.view(B, T, H, -1)
         # Groups share B and C across their heads.
@@ -80,43 +78,12 @@ class Mamba2(Mixer):
         c = c.view(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N)
         dt = F.softplus(dt.to(compute_dtype(x)) + self.dt_bias.to(compute_dtype(x)))  # [B, T, H], decay math in fp32
         log_gamma = -torch.exp(self.A_log.to(compute_dtype(x))) * dt
-        return z, c, b, xs, log_gamma, dt, conv_state
+        return OpCall("linear_attention", (c, b, xs, log_gamma, dt, 1.0),
+                      {"chunk_size": self.chunk_size, "backend": self.backend}, state={"conv": conv_state},
+                      keep={"x": xs, "z": z})
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_output(self, x: torch.Tensor, out: torch.Tensor, call: OpCall) -> torch.Tensor:
+        """y + D x, then norm(y * silu(z)) and the output projection."""
         B, T, _ = x.shape
-        z, c, b, xs, log_gamma, dt, conv_state = self.op_inputs(x, state, reset)
-        op = linear_attention_recurrent if T == 1 and state is not None else linear_attention
-        kwargs = {} if op is linear_attention_recurrent else {"chunk_size": self.chunk_size, "backend": self.backend}
-        y, ssm_state = op(c, b, xs, log_gamma, dt, 1.0, initial_state=(state or {}).get("ssm"),
-                          reset=reset, **kwargs)
-        y = y + self.D.to(y.dtype)[:, None] * xs
-        y = self.norm(y.reshape(B, T, self.inner), z)
-        return self.out_proj(y), {"conv": conv_state, "ssm": ssm_state}
-
-    carried = "ssm"
-
-    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        _, c, b, xs, log_gamma, dt, _ = self.op_inputs(x, state, reset)
-        _, final = linear_attention(c, b, xs, log_gamma, dt, 1.0, reset=reset, chunk_size=self.chunk_size,
-                                    backend=self.backend)
-        return final, piece_log_decay(log_gamma, reset)
-
-    carry = staticmethod(carry_decayed)
-
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """linear_attention with K = N and V = P per head; its backward is 2x its forward."""
-        o = cls.check_options(options)
-        chunk = effective_chunk_size(o.chunk_size, seq_len)
-        value = int(round(o.expand * d_model)) // n_heads
-        per_head = padding_factor(seq_len, chunk) * linear_attention_op_flops(chunk, head_dim, value)
-        return (3 if training else 1) * n_heads * per_head
-
-    @torch.no_grad()
-    def bench_op(self, batch: int, T: int) -> OpCall:
-        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
-        K, V = self.state_size, self.inner // self.n_heads
-        dt = F.softplus(randn() + self.dt_bias)  # about 1e-3..0.3
-        args = [randn(K), randn(K), randn(V), -torch.exp(self.A_log) * dt, dt, 1.0]
-        return OpCall("linear_attention", linear_attention, linear_attention_recurrent, args,
-                      (batch, T, self.n_heads, V))
+        y = out + self.D.to(out.dtype)[:, None] * call.keep["x"]
+        return self.out_proj(self.norm(y.reshape(B, T, self.inner), call.keep["z"]))

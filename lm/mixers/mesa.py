@@ -1,7 +1,6 @@
 """The Mesa layer (von Oswald et al., 2025, "MesaNet"): at every step the optimal linear readout of an
 in-context ridge regression, o_t = G_t (H_t + Lambda)^{-1} q_t, solved by conjugate gradient."""
 
-import dataclasses
 import math
 import typing
 from dataclasses import dataclass
@@ -11,17 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import Gain, GatedRMSNorm, ShortConv, no_weight_decay, own_init, residual_output
-from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
-from lm.ops import mesa, mesa_recurrent
-from lm.ops.common import compute_dtype, effective_chunk_size
-from lm.ops.flops import mesa_cg_step_flops, mesa_op_flops, mesa_op_train_flops, padding_factor
-from lm.ops.state_transfer import carry_decayed, piece_log_decay
+from lm.mixers.protocol import Mixer, MixerOptionError, register
+from lm.ops.call import OpCall
+from lm.ops.common import compute_dtype
 
 GammaInit = typing.Literal["narrow", "zero", "spread"]
-# Plans only (`expected_cg_steps`): the factor by which CG's relative residual is taken to fall per step. On the
-# inputs of docs/performance.md ("Mesa: CG steps and cost") 1e-4 took about 6 steps (0.2 a step); docs/mesa.md sets
-# it against what the CPU ladder's runs spent.
-PLANNED_CG_RATE = 0.2
 
 
 def gamma_bias(init: str, n_heads: int) -> torch.Tensor:
@@ -116,7 +109,6 @@ class Mesa(Mixer):
         self.out_proj = residual_output(nn.Linear(hv, d_model, bias=False))
         no_weight_decay(self.lam_raw, self.beta_proj.weight, self.gamma_proj.weight)
         own_init(self.beta_proj.bias, self.gamma_proj.bias)  # the model's init leaves the gate biases to this one
-        self._metrics: dict[str, torch.Tensor] = {}
         self.reset_mixer_parameters()
 
     def reset_mixer_parameters(self):
@@ -145,8 +137,9 @@ class Mesa(Mixer):
         cap = self.options.gamma_cap
         return log_gamma if cap is None else log_gamma + torch.log1p(-(1 - cap) * beta**2)
 
-    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        """(q, k, v, log gamma, beta) for the op, and the convs' new states (a dict)."""
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None) -> OpCall:
+        """The Mesa op on (q, k, v, log gamma, beta, Lambda), at cg_steps in training and cg_steps_eval in
+        evaluation; with its telemetry (return_info) but on fla's kernel, which reports nothing."""
         B, T, _ = x.shape
         q, q_state = self.q_conv(self.q_proj(x), state.get("q_conv"), reset)
         k, k_state = self.k_conv(self.k_proj(x), state.get("k_conv"), reset)
@@ -157,120 +150,27 @@ class Mesa(Mixer):
         if self.options.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         v = v.view(B, T, self.n_heads, self.value_dim)
-        return q, k, v, *self.gates(x), {"q_conv": q_state, "k_conv": k_state, "v_conv": v_state}
+        o = self.options
+        steps = o.cg_steps if self.training or o.cg_steps_eval is None else o.cg_steps_eval
+        options = {"cg_steps": steps, "cg_tol": o.cg_tol, "chunk_size": o.chunk_size, "backend": o.backend,
+                   "return_info": o.backend != "fla"}
+        args = (q, k, v, *self.gates(x), self.lam().to(compute_dtype(x)))
+        return OpCall("mesa", args, options, state={"q_conv": q_state, "k_conv": k_state, "v_conv": v_state})
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_output(self, x: torch.Tensor, out: torch.Tensor, call: OpCall) -> torch.Tensor:
+        """The per-head norm (gated with output_gate) and the output projection; the gates' statistics join the op's
+        telemetry for `metrics`."""
         B, T, _ = x.shape
-        state = state or {}
-        q, k, v, log_gamma, beta, new_state = self.op_inputs(x, state, reset)
-        opt = self.options
-        steps = opt.cg_steps if self.training or opt.cg_steps_eval is None else opt.cg_steps_eval
-        lam = self.lam().to(compute_dtype(x))
-        if T == 1 and "memory" in state:
-            o, memory, info = mesa_recurrent(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=opt.cg_tol,
-                                             initial_state=state["memory"], reset=reset, return_info=True)
-        else:
-            reports = opt.backend != "fla"  # fla's kernel reports nothing
-            o, memory, *info = mesa(q, k, v, log_gamma, beta, lam, cg_steps=steps, cg_tol=opt.cg_tol,
-                                    initial_state=state.get("memory"), reset=reset, chunk_size=opt.chunk_size,
-                                    return_info=reports, backend=opt.backend)
-            info = info[0] if reports else {}
+        _, _, _, log_gamma, beta, lam = call.args
         with torch.no_grad():
-            info.update(lambda_min=lam.min(), lambda_mean=lam.mean(), gamma_mean=log_gamma.exp().mean(),
-                        beta_mean=beta.mean())
-        self._metrics = info  # the op's dict: a backward through this call adds the adjoint solve's entries to it
-        o = self.norm(o, self.g_proj(x).view(B, T, self.n_heads, -1)) if self.g_proj is not None else self.norm(o)
-        new_state["memory"] = memory
-        return self.out_proj(o.reshape(B, T, -1)), new_state
-
-    carried = "memory"
-
-    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        """G and H from zero need no solve: the op with 0 CG steps (gated linear attention) ends with them."""
-        q, k, v, log_gamma, beta, _ = self.op_inputs(x, state, reset)
-        _, final = mesa(q, k, v, log_gamma, beta, self.lam().to(compute_dtype(x)), cg_steps=0, reset=reset,
-                        chunk_size=self.options.chunk_size)
-        return final, piece_log_decay(log_gamma, reset)
-
-    carry = staticmethod(carry_decayed)
+            self.op_info.update(lambda_min=lam.min(), lambda_mean=lam.mean(), gamma_mean=log_gamma.exp().mean(),
+                                beta_mean=beta.mean())
+        o = self.norm(out, self.g_proj(x).view(B, T, self.n_heads, -1)) if self.g_proj is not None else self.norm(out)
+        return self.out_proj(o.reshape(B, T, -1))
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last call's statistics as 0-dim tensors (nothing is synced to the host here): the CG solve
         (cg_iterations, cg_residual and cg_residual_max, the true relative residual), the adjoint solve's after a
         backward (cg_adjoint_*), Lambda (min, mean), gamma and beta (mean), and max diag(H_t) / min Lambda."""
         return {key if key.startswith(("lambda", "gamma", "beta")) else "cg_" + key: value
-                for key, value in self._metrics.items()}
-
-    def flops_spent_per_token(self, seq_len: int, training: bool) -> float:
-        """The last call as it ran: at the steps it was set to (cg_steps_eval in evaluation), and with cg_tol at the CG
-        steps its telemetry says the code ran (`iterations_run`, forward and, training, adjoint; lm.ops.mesa counts a
-        loop as running until its last token has converged) instead of the most. A fixed-step call is the
-        analytic count, with no read of the telemetry (no device sync)."""
-        o = self.options
-        steps = o.cg_steps if training or o.cg_steps_eval is None else o.cg_steps_eval
-        shape = (self.d_model, self.n_heads, self.head_dim)
-        at_steps = {**dataclasses.asdict(o), "cg_steps": steps, "cg_tol": None}  # the analytic count at `steps`
-        counted = self.flops_per_token(*shape, seq_len, training, **at_steps)
-        ran = self._metrics.get("iterations_run")
-        if steps == 0 or o.cg_tol is None or ran is None:
-            return counted
-        extra = float(ran) - steps
-        if training:
-            extra += float(self._metrics.get("adjoint_iterations_run", steps)) - steps
-        return counted + extra * self.cg_step_flops_per_token(*shape, seq_len, **dataclasses.asdict(o))
-
-    @classmethod
-    def cg_step_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, **options) -> float:
-        """One CG step of one solve, per token, all heads (lm.ops.flops.mesa_cg_step_flops on the padded chunks)."""
-        chunk = effective_chunk_size(cls.check_options(options).chunk_size, seq_len)
-        return n_heads * padding_factor(seq_len, chunk) * mesa_cg_step_flops(chunk, head_dim)
-
-    @staticmethod
-    def expected_cg_steps(cg_steps: int, cg_tol: float | None) -> int:
-        """The CG steps a plan charges: cg_steps, or with cg_tol the steps at which a residual falling by
-        PLANNED_CG_RATE per step reaches cg_tol (at most cg_steps). An estimate; a run counts what it ran."""
-        if cg_tol is None or cg_steps == 0:
-            return cg_steps
-        return min(cg_steps, max(1, math.ceil(math.log(cg_tol) / math.log(PLANNED_CG_RATE))))
-
-    @classmethod
-    def flops_note(cls, **options) -> str | None:
-        o = cls.check_options(options)
-        if o.cg_tol is None or o.cg_steps == 0:
-            return None
-        return (f"mesa with cg_tol {o.cg_tol:g} is planned at {cls.expected_cg_steps(o.cg_steps, o.cg_tol)} expected "
-                f"CG steps of at most {o.cg_steps} (a residual falling {PLANNED_CG_RATE:g}x a step); its runs log the "
-                f"steps they ran (train/flops)")
-
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """The Mesa op at the training CG steps (lm.ops.flops); with cg_tol at `expected_cg_steps`, a plan's estimate
-        (what a run spent is `flops_spent_per_token`)."""
-        o = cls.check_options(options)
-        chunk = effective_chunk_size(o.chunk_size, seq_len)
-        v = int(round(o.expand_v * head_dim))
-        per_head = padding_factor(seq_len, chunk) * (mesa_op_train_flops if training else mesa_op_flops)(
-            chunk, head_dim, v, cls.expected_cg_steps(o.cg_steps, o.cg_tol))
-        if o.cg_steps == 0:
-            per_head += 2 * head_dim * head_dim  # H_T is still carried: one product, no backward (no loss reads it)
-        return n_heads * per_head
-
-    @classmethod
-    def workspace_bytes_per_token(cls, d_model, n_heads, head_dim, **options) -> float:
-        """The CG solve's buffers, float32 whatever the precision: per token and head the chunked keys (K), the decay
-        weights of its chunk (C), its share of the chunk's entering key state (K^2 / C), and about ten K-vectors of
-        CG and its matrix-vector products (x, r, p, A p, b, the Jacobi diagonal and their temporaries)."""
-        C, K = cls.check_options(options).chunk_size, head_dim
-        return 4 * n_heads * (2 * C + K * K / C + 10 * K)
-
-    @torch.no_grad()
-    def bench_op(self, batch: int, T: int) -> OpCall:
-        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
-        K, V = self.key_dim, self.value_dim
-        q, k = F.normalize(randn(K), dim=-1), F.normalize(randn(K), dim=-1)  # the mixer L2-normalises both
-        beta = torch.sigmoid(randn() + self.beta_proj.bias)  # bias 0
-        log_gamma = self.capped(F.logsigmoid(randn() + self.gamma_proj.bias), beta)  # the biases of its gamma_init
-        args = [q, k, randn(V), log_gamma, beta, self.lam().clone()]  # lam [H, K], 1 at init
-        # return_info: the true residual costs one more matvec per solve; the mixer always asks for it, as here.
-        return OpCall("mesa", mesa, mesa_recurrent, args, (batch, T, self.n_heads, V),
-                      {"cg_steps": self.options.cg_steps, "cg_tol": self.options.cg_tol, "return_info": True})
+                for key, value in self.op_info.items()}

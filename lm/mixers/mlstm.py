@@ -7,11 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.mixers.layers import ShortConv, no_weight_decay, own_init, residual_output
-from lm.mixers.protocol import Mixer, MixerOptionError, OpCall, register
-from lm.ops import mlstm, mlstm_recurrent
-from lm.ops.common import compute_dtype, effective_chunk_size
-from lm.ops.flops import mlstm_op_flops, padding_factor
-from lm.ops.state_transfer import carry_mlstm, mlstm_transfer
+from lm.mixers.protocol import Mixer, MixerOptionError, register
+from lm.ops.call import OpCall
+from lm.ops.common import compute_dtype
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -79,8 +77,8 @@ class MLSTM(Mixer):
             self.igate.bias.fill_(-10.0)
             self.fgate.bias.copy_(torch.linspace(3.0, 6.0, self.n_heads))
 
-    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        """(q, k, v, input and forget gate pre-activations) for the cell, and the conv's new state (a dict)."""
+    def op_inputs(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None) -> OpCall:
+        """The mLSTM cell on (q, k, v, input and forget gate pre-activations)."""
         B, T, _ = x.shape
         H, tails, qk_in = self.n_heads, {}, x
         if self.conv is not None:
@@ -90,47 +88,13 @@ class MLSTM(Mixer):
         v = self.v_proj(x).view(B, T, H, self.v_head)
         i_pre = soft_cap(self.igate(x).to(compute_dtype(x)), self.gate_soft_cap)
         f_pre = soft_cap(self.fgate(x).to(compute_dtype(x)), self.gate_soft_cap)
-        return q, k, v, i_pre, f_pre, tails
+        return OpCall("mlstm", (q, k, v, i_pre, f_pre),
+                      {"eps": self.eps, "chunk_size": self.chunk_size, "backend": self.backend}, state=tails)
 
-    def forward(self, x: torch.Tensor, state: dict | None = None, reset: torch.Tensor | None = None):
+    def op_output(self, x: torch.Tensor, out: torch.Tensor, call: OpCall) -> torch.Tensor:
+        """The per-head norm, the norm weight, the output gate and the output projection."""
         B, T, _ = x.shape
-        state = state or {}
-        q, k, v, i_pre, f_pre, new_state = self.op_inputs(x, state, reset)
-        if T == 1 and "cell" in state:
-            h, new_state["cell"] = mlstm_recurrent(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state["cell"],
-                                                   reset=reset)
-        else:
-            h, new_state["cell"] = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, initial_state=state.get("cell"),
-                                         reset=reset, chunk_size=self.chunk_size, backend=self.backend)
         if self.options.output_norm:
-            h = F.rms_norm(h, (self.v_head,), eps=1e-6)
-        h = h.reshape(B, T, -1) * self.norm_weight
-        return self.out_proj(h * torch.sigmoid(self.ogate(x))), new_state
-
-    carried = "cell"
-
-    def piece_transfer(self, x: torch.Tensor, state: dict, reset: torch.Tensor | None):
-        q, k, v, i_pre, f_pre, _ = self.op_inputs(x, state, reset)
-        _, final = mlstm(q, k, v, i_pre, f_pre, eps=self.eps, reset=reset, chunk_size=self.chunk_size,
-                         backend=self.backend)
-        return final, mlstm_transfer(i_pre, f_pre, reset, final)
-
-    carry = staticmethod(carry_mlstm)
-
-    @classmethod
-    def op_flops_per_token(cls, d_model, n_heads, head_dim, seq_len, training, **options) -> float:
-        """The mLSTM cell with K = qk_dim_factor * d_model / n_heads, V = v_dim_factor * d_model / n_heads."""
-        o = cls.check_options(options)
-        chunk = effective_chunk_size(o.chunk_size, seq_len)
-        k = int(round(o.qk_dim_factor * d_model)) // n_heads
-        v = int(round(o.v_dim_factor * d_model)) // n_heads
-        return (3 if training else 1) * n_heads * padding_factor(seq_len, chunk) * mlstm_op_flops(chunk, k, v)
-
-    @torch.no_grad()
-    def bench_op(self, batch: int, T: int) -> OpCall:
-        randn = lambda *dims: torch.randn(batch, T, self.n_heads, *dims)  # [B, T, H, *]
-        K, V = self.qk_head, self.v_head
-        i_pre = soft_cap(torch.empty(batch, T, self.n_heads).uniform_(-10, 0), self.gate_soft_cap)
-        f_pre = soft_cap(self.fgate.bias + randn(), self.gate_soft_cap)  # bias 3..6 across heads: forget gates open
-        return OpCall("mlstm", mlstm, mlstm_recurrent, [randn(K), randn(K), randn(V), i_pre, f_pre],
-                      (batch, T, self.n_heads, V))
+            out = F.rms_norm(out, (self.v_head,), eps=1e-6)
+        h = out.reshape(B, T, -1) * self.norm_weight
+        return self.out_proj(h * torch.sigmoid(self.ogate(x)))

@@ -12,8 +12,8 @@ memory of the input for the backward, and was many times slower on CPU. The scan
 into, so the loop over C positions, each step one fused multiply-add over all chunks at once ([B, N, D]), moves the
 same bytes as the plain loop in T / C times fewer steps. On CPU a per-step loop written with unbind (as
 `diagonal_scan_recurrent` is) is already bound by memory traffic when its steps are large, so there the chunkwise
-form gains little or nothing (docs/performance.md); its few, large steps are for a GPU without fla, where kernel
-launches bound a per-step loop.
+form gains little or nothing (docs/performance-history.md, "Sequence ops"); its few, large steps are for a GPU
+without fla, where kernel launches bound a per-step loop.
 """
 
 import torch

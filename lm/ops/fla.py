@@ -66,9 +66,9 @@ def check_fla_dtype(op: str, dtype: torch.dtype) -> None:
 def fla_refuses_gated_backward(kernel: str) -> bool:
     """Whether fla refuses the backward of its gated chunk kernel `kernel` here ("simple_gla": Mamba2's
     linear_attention; "gated_delta_rule"). fla 0.6 does on Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results
-    were wrong there (fla's issue #640; seen on the lent H200, Triton 3.6.0, docs/performance.md), unless its TileLang
-    backend takes the backward instead. TileLang takes it only where it is installed, finds a usable nvcc and is
-    enabled, and never for simple_gla (fla's TileLang kernel declines its float32 states)."""
+    were wrong there (fla's issue #640; seen on the lent H200, Triton 3.6.0, docs/performance-history.md, "GPU"),
+    unless its TileLang backend takes the backward instead. TileLang takes it only where it is installed, finds a
+    usable nvcc and is enabled, and never for simple_gla (fla's TileLang kernel declines its float32 states)."""
     try:
         from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
     except ImportError:  # fla versions without the guard
@@ -89,8 +89,10 @@ def _tilelang_takes_gated_backward() -> bool:
     return bool(TileLangBackend.is_available() and TileLangBackend.is_enabled())
 
 
-def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: str | None = None) -> bool:
-    """Resolve `backend` for `op`: True to call fla, False for the pure-PyTorch code.
+def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: str | None = None,
+            available: Callable[[], bool] | None = None) -> bool:
+    """Resolve `backend` for `op`: True to call fla, False for the pure-PyTorch code. `available`: whether the part
+    of fla that `op` needs imports (None: `fla_available`, linear_attention's and delta_rule's kernels).
 
     "torch" never uses fla; "fla" always does and raises if it cannot; "auto" uses fla only for CUDA tensors in
     bf16/fp16 when fla imports (float32/float64 inputs go to the exact torch code, which fla's delta-rule kernels
@@ -102,16 +104,18 @@ def use_fla(backend: str, *tensors: torch.Tensor | None, op: str, gated_kernel: 
     if backend == "torch":
         return False
     if backend == "fla":
-        check_fla_backend(op, tensors, fla_available)
+        check_fla_backend(op, tensors, available or fla_available)
         return True
-    return all(t.is_cuda for t in tensors if t is not None) and auto_uses_fla(op, tensors[0].dtype, gated_kernel)
+    return all(t.is_cuda for t in tensors if t is not None) and auto_uses_fla(op, tensors[0].dtype, gated_kernel,
+                                                                              available)
 
 
-def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None) -> bool:
+def auto_uses_fla(op: str, dtype: torch.dtype, gated_kernel: str | None = None,
+                  available: Callable[[], bool] | None = None) -> bool:
     """"auto" on CUDA: whether fla takes `op` for inputs of `dtype`. Where it does not, the torch code runs, several
     times slower, and that is said once with the reason and the fix (`warn_once`)."""
     reason = fix = None
-    if not fla_available():
+    if not (available or fla_available)():
         reason, fix = "flash-linear-attention does not import", "install it with `pip install -e .[gpu]`"
     elif dtype not in FLA_DTYPES:
         reason, fix = f"its inputs are {dtype} and fla's kernels take bf16/fp16", "train with bf16-mixed precision"
@@ -167,20 +171,22 @@ def _initial_state(initial_state: torch.Tensor | None) -> torch.Tensor | None:
     return None if initial_state is None else initial_state.float()
 
 
-def _run(fn, reset: torch.Tensor | None, **kwargs):
+def _run(fn, reset: torch.Tensor | None, rows_per_token: int = 1, **kwargs):
     """`fla_call(fn, **kwargs)`, or with resets its variable-length form (`_varlen_call`)."""
     if reset is None:
         return fla_call(fn, **kwargs)
-    return _varlen_call(fn, reset, **kwargs)
+    return _varlen_call(fn, reset, rows_per_token, **kwargs)
 
 
-def _varlen_call(fn, reset: torch.Tensor, initial_state: torch.Tensor | None, **kwargs):
+def _varlen_call(fn, reset: torch.Tensor, rows_per_token: int = 1, **kwargs):
     """A call with resets as fla runs packed documents (flame's varlen training): the batch flattened into one row of
     B * T steps, and `cu_seqlens` the offsets where its sequences start (every row's start, and every reset).
 
-    Each row's first sequence continues that row's initial state, unless the row starts with a reset; every other
-    sequence starts from zeros. The final state of a row is that of its last sequence. The [B, T, ...] tensors among
-    kwargs (q, k, v, g, beta, x) are flattened; the others pass as they are. Costs one device sync (the offsets).
+    Each row's first sequence continues that row's initial state (each `initial_*` among kwargs, [B, ...]), unless the
+    row starts with a reset; every other sequence starts from zeros. The final state of a row is that of its last
+    sequence (each state fn returns after the output). The [B, T, ...] tensors among kwargs (q, k, v, g, beta, x),
+    and the [B, T * rows_per_token, ...] ones (DeltaProduct's k, v and beta), are flattened; the others pass as they
+    are. Costs one device sync (the offsets).
     """
     B, T = reset.shape
     starts = reset.clone()
@@ -189,14 +195,18 @@ def _varlen_call(fn, reset: torch.Tensor, initial_state: torch.Tensor | None, **
     cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])])
     first = torch.searchsorted(offsets, torch.arange(B, device=offsets.device) * T)  # each row's first sequence
     last = torch.cat([first[1:], first.new_tensor([len(offsets)])]) - 1
-    if initial_state is not None:
-        continues = (~reset[:, 0]).to(initial_state.dtype).view(B, *[1] * (initial_state.dim() - 1))
-        sequences = initial_state.new_zeros(len(offsets), *initial_state.shape[1:])
-        initial_state = sequences.index_put((first,), initial_state * continues)
-    flat = {name: x.flatten(0, 1)[None] if torch.is_tensor(x) and x.shape[:2] == (B, T) else x
+    states = {}
+    for name in [name for name in kwargs if name.startswith("initial_")]:
+        state = kwargs.pop(name)
+        if state is not None:
+            continues = (~reset[:, 0]).to(state.dtype).view(B, *[1] * (state.dim() - 1))
+            state = state.new_zeros(len(offsets), *state.shape[1:]).index_put((first,), state * continues)
+        states[name] = state
+    timed = ((B, T), (B, T * rows_per_token))
+    flat = {name: x.flatten(0, 1)[None] if torch.is_tensor(x) and x.shape[:2] in timed else x
             for name, x in kwargs.items()}
-    out, state = fla_call(fn, initial_state=initial_state, cu_seqlens=cu_seqlens, **flat)
-    return out.view(B, T, *out.shape[2:]), state[last]
+    out, *finals = fla_call(fn, cu_seqlens=cu_seqlens, **states, **flat)
+    return out.view(B, T, *out.shape[2:]), *(final[last] for final in finals)
 
 
 def fla_linear_attention(
@@ -284,3 +294,75 @@ def fla_delta_rule(
 
         out, state = _run(chunk_gated_delta_rule, reset, g=log_alpha.float(), **common)
     return out.to(q.dtype), state.float()
+
+
+@functools.cache
+def kda_available() -> bool:
+    """Whether fla's KDA and GDN-2 kernels import (fla-core >= 0.6); cached."""
+    return fla_imports("fla.ops.kda", "fla.ops.gdn2")
+
+
+def fla_kda(q, k, v, log_alpha, beta, erase, write, scale, initial_state, reset=None):
+    """`kda` through fla's chunk_kda (erase = write = beta, a scalar per head) or chunk_gdn2 (channel gates b [B, T,
+    H, K], w [B, T, H, V]); both take g, the log-decay per key channel, which a decay per head is expanded to. Their
+    state is [B, H, K, V] as lm's (fla's naive_recurrent_kda / naive_recurrent_gdn2)."""
+    check_fla_dtype("kda", q.dtype)
+    K, V = q.shape[-1], v.shape[-1]
+    per_channel = lambda x, n: (x if x.dim() == 4 else x[..., None].expand(*x.shape, n)).contiguous()  # noqa: E731
+    common = dict(q=q, k=k.to(q.dtype), v=v.to(q.dtype), g=per_channel(log_alpha.float(), K), scale=float(scale),
+                  initial_state=_initial_state(initial_state), output_final_state=True)
+    if beta is not None and erase is beta and write is beta:
+        from fla.ops.kda import chunk_kda
+
+        out, state = _run(chunk_kda, reset, beta=beta.to(q.dtype), **common)
+    else:
+        from fla.ops.gdn2 import chunk_gdn2
+
+        out, state = _run(chunk_gdn2, reset, b=per_channel(erase.to(q.dtype), K), w=per_channel(write.to(q.dtype), V),
+                          **common)
+    return out.to(q.dtype), state.float()
+
+
+@functools.cache
+def delta_product_available() -> bool:
+    """Whether fla's gated DeltaProduct kernel imports; cached."""
+    return fla_imports("fla.ops.gated_delta_product")
+
+
+def fla_delta_product(q, k, v, beta, log_alpha, scale, initial_state, reset=None):
+    """`delta_product` through fla's chunk_gated_delta_product: the same layout (k, v, beta with T * n_h rows, the
+    token's steps in order; g [B, T, H] or None), the gate applied once per token before its steps."""
+    check_fla_dtype("delta_product", q.dtype)
+    from fla.ops.gated_delta_product import chunk_gated_delta_product
+
+    n_h = k.shape[1] // q.shape[1]
+    out, state = _run(chunk_gated_delta_product, reset, rows_per_token=n_h, q=q, k=k.to(q.dtype), v=v.to(q.dtype),
+                      g=None if log_alpha is None else log_alpha.float(), beta=beta.to(q.dtype), num_householder=n_h,
+                      scale=float(scale), initial_state=_initial_state(initial_state), output_final_state=True)
+    return out.to(q.dtype), state.float()
+
+
+@functools.cache
+def precond_available() -> bool:
+    """Whether fla's preconditioned gated delta rule kernel imports; cached."""
+    return fla_imports("fla.ops.precond_gated_delta_rule")
+
+
+def fla_precond_delta_rule(q, k, v, beta, log_alpha, beta_a, log_alpha_a, scale, squash, eps, center,
+                           initial_state, reset=None):
+    """`precond_delta_rule` through fla's chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, ...,
+    x=squash, eps, log_atk_scale=center per head), with use_qk_l2norm_in_kernel=False: lm's op takes q and k as they
+    come (the mixer normalises them), where fla's default normalises inside. State (S [B, H, K, V], A [B, H, K])."""
+    check_fla_dtype("precond_delta_rule", q.dtype)
+    from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
+
+    H = q.shape[2]
+    S0, A0 = (None, None) if initial_state is None else initial_state
+    g = torch.zeros_like(beta, dtype=torch.float32) if log_alpha is None else log_alpha.float()
+    center = torch.as_tensor(center, dtype=torch.float32, device=q.device).expand(H).contiguous()
+    out, S, A = _run(chunk_precond_gated_delta_rule, reset, q=q, k=k.to(q.dtype), v=v.to(q.dtype),
+                     g_atk=log_alpha_a.float(), g=g, beta_atk=beta_a.to(q.dtype), beta=beta.to(q.dtype),
+                     scale=float(scale), initial_state=_initial_state(S0), initial_A_state=_initial_state(A0),
+                     output_final_state=True, use_qk_l2norm_in_kernel=False, x=float(squash), eps=float(eps),
+                     log_atk_scale=center)
+    return out.to(q.dtype), (S.float(), A.float())

@@ -52,8 +52,8 @@ def linear_attention(
     Returns (out [B, T, H, V] in q's dtype, final_state [B, H, K, V] in float32, or float64 for float64 inputs).
     sub_chunk: the secondary chunk length of the per-key form (unused for a scalar decay); the chunk length is
     rounded up to a multiple of it. Its elementwise [c, c, K] diagonal blocks dominate the per-key form's time on
-    CPU, so a smaller c is faster there (docs/performance.md); 8 rather than 4 keeps the loop over sub-chunks (C / c
-    steps, each a few kernels on a GPU) short.
+    CPU, so a smaller c is faster there (docs/performance-history.md, "Sequence ops"); 8 rather than 4 keeps the loop
+    over sub-chunks (C / c steps, each a few kernels on a GPU) short.
     backend: "torch" (this code), "fla" (flash-linear-attention's chunk_simple_gla, or chunk_gla for a per-key
     decay; CUDA only) or "auto" (fla for CUDA bf16/fp16 inputs when it imports, else torch). fla picks its own chunk
     size; with resets it runs fla's variable-length form (lm.ops.fla.varlen).

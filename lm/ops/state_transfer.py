@@ -1,15 +1,21 @@
 """Transfer maps: how the state a piece of a sequence ends with depends on the state it starts from.
 
 Every op's state is an affine function of its initial state: final = map(initial) + final_from_zero (mLSTM's up to
-its stabiliser, below). So the pieces of a sequence split over ranks (context parallelism, lm/mixers/context.py)
-can each run from the zero state at once, exchange (map, final_from_zero), and compose what each piece really starts
-from, without waiting for the piece before. A reset inside a piece clears the state, so its map is zero there.
+its stabiliser, below). So the pieces of a sequence split over ranks (context parallelism,
+lm/mixers/context_parallel.py) can each run from the zero state at once, exchange (map, final_from_zero), and compose
+what each piece really starts from, without waiting for the piece before. A reset inside a piece clears the state,
+so its map is zero there.
 
     linear_attention, diagonal_scan, mesa   the map is the product of the piece's decays: its log, summed over the
                                             piece (`piece_log_decay`: [B, H], [B, H, K] per key or [B, D]), -inf
                                             in a row with a reset; `carry_decayed` applies it (Mesa: G and H alike)
-    delta_rule                              the product of the steps' alpha_t (I - beta_t k_t k_t^T), a K x K
-                                            matrix per head, read off the op itself (`delta_rule_transfer`)
+    delta_rule, kda, delta_product          the product of the steps' transitions (alpha_t (I - beta_t k_t k_t^T);
+                                            KDA's (I - k_t (b_t * k_t)^T) Diag(alpha_t); DeltaProduct's per row), a
+                                            K x K matrix per head, read off the op itself (`delta_rule_transfer`,
+                                            lm.ops.kda, lm.ops.delta_product)
+    precond_delta_rule                      S's map as the delta rule's, which depends on the preconditioner's
+                                            state A entering the piece: A (a decayed sum) is composed first
+                                            (`Transfer.first`), then each piece's S map from its true entering A
     mlstm                                   C and n decay by the product of forget gates as above; the stabiliser m
                                             is a max-plus recurrence, exact with (sum of log f, the largest write's
                                             log-weight at the end) (`mlstm_transfer`, `carry_mlstm`)
@@ -17,14 +23,23 @@ from, without waiting for the piece before. A reset inside a piece clears the st
 `carry_*(initial, transfer, final_from_zero)` is the state at the piece's end from `initial` (None: zero), the map
 exactly as the sequential op applies it, so that composing the pieces equals one call to float rounding (the tests
 check each op in float64 against the op run whole, resets on and inside piece boundaries included).
+
+`TRANSFERS` finds both by the op's name (lm.ops.call): `piece_transfer(call, reset)` is what the context-parallel
+exchange (lm.mixers.context_parallel) and the memory plan (lm.accounting.memory) run for a mixer's `OpCall`.
 """
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from lm.ops.call import OpCall
+from lm.ops.delta_product import carry_delta_product, delta_product_transfer
 from lm.ops.delta_rule import delta_rule
+from lm.ops.kda import carry_kda, kda_transfer
+from lm.ops.precond_delta_rule import carry_precond, carry_precond_a, precond_a_transfer, precond_transfer
 
 
 def piece_log_decay(log_decay: torch.Tensor, reset: torch.Tensor | None) -> torch.Tensor:
@@ -100,3 +115,92 @@ def carry_mlstm(initial, transfer, final_from_zero):
     keep, write = (total + m_in - m).exp(), (m_0 - m).exp()
     C = keep[..., None, None] * C_in + write[..., None, None] * C_0
     return C, keep[..., None] * n_in + write[..., None] * n_0, m
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """An op's transfer map: `map(call, reset)` -> (the final state from zero, the map), and its composition
+    `carry(initial, map, final_from_zero)`. `first`: a part of the state that evolves alone and on which the rest's
+    map depends (the preconditioner's A of precond_delta_rule); the pieces exchange and compose it first, and `map`
+    then takes the piece's entering value of it as a third argument."""
+
+    map: Callable[..., tuple]
+    carry: Callable
+    first: "Transfer | None" = None
+
+
+def decayed(decay: int, **zero_state_options) -> Callable:
+    """The map of an op whose state decays by the product of its `decay`-th input (a log-decay [B, T, ...]): the
+    call run from zero (with `zero_state_options`, which need not give the same outputs, only the same state), and
+    that product."""
+
+    def map_of(call: OpCall, reset: torch.Tensor | None) -> tuple:
+        _, final = call.forms.chunkwise(*call.args, reset=reset, **{**call.options, **zero_state_options})[:2]
+        return final, piece_log_decay(call.args[decay], reset)
+
+    return map_of
+
+
+def _delta_rule_map(call: OpCall, reset: torch.Tensor | None) -> tuple:
+    return delta_rule_transfer(*call.args, reset=reset, **call.options)
+
+
+def _kda_map(call: OpCall, reset: torch.Tensor | None) -> tuple:
+    return kda_transfer(*call.args, reset=reset, **call.options)
+
+
+def _delta_product_map(call: OpCall, reset: torch.Tensor | None) -> tuple:
+    return delta_product_transfer(*call.args, reset=reset, **call.options)
+
+
+def _precond_a_map(call: OpCall, reset: torch.Tensor | None) -> tuple:
+    _, k, _, _, _, beta_a, log_alpha_a, *_ = call.args
+    return precond_a_transfer(k, beta_a, log_alpha_a, reset=reset)
+
+
+def _precond_map(call: OpCall, reset: torch.Tensor | None, entering_a) -> tuple:
+    return precond_transfer(*call.args, initial_A=entering_a, reset=reset, **call.options)
+
+
+def _mlstm_map(call: OpCall, reset: torch.Tensor | None) -> tuple:
+    _, final = call.forms.chunkwise(*call.args, reset=reset, **call.options)
+    _, _, _, i_pre, f_pre = call.args
+    return final, mlstm_transfer(i_pre, f_pre, reset, final)
+
+
+TRANSFERS: dict[str, Transfer] = {
+    "linear_attention": Transfer(decayed(3), carry_decayed),  # (q, k, v, log_gamma, ...)
+    "diagonal_scan": Transfer(decayed(1), carry_decayed),  # (x, log_a)
+    # G and H from zero need no solve: with 0 CG steps (gated linear attention) the op ends with them.
+    "mesa": Transfer(decayed(3, cg_steps=0, cg_tol=None, return_info=False, backend="auto"), carry_decayed),
+    "delta_rule": Transfer(_delta_rule_map, carry_delta_rule),
+    "mlstm": Transfer(_mlstm_map, carry_mlstm),
+    "kda": Transfer(_kda_map, carry_kda),
+    "delta_product": Transfer(_delta_product_map, carry_delta_product),
+    "precond_delta_rule": Transfer(_precond_map, carry_precond, first=Transfer(_precond_a_map, carry_precond_a)),
+}
+
+
+def piece_transfer(call: OpCall, reset: torch.Tensor | None, entering_first=None) -> tuple:
+    """(the state a piece ends with from zero, its transfer map) for the op call of the piece; for an op with a
+    `first` part, given that part's state entering the piece."""
+    transfer = TRANSFERS[call.op]
+    if transfer.first is not None:
+        return transfer.map(call, reset, entering_first)
+    return transfer.map(call, reset)
+
+
+def first_transfer(call: OpCall, reset: torch.Tensor | None) -> tuple | None:
+    """The piece's (final state from zero, map) of the op's `first` part, or None for an op without one."""
+    first = TRANSFERS[call.op].first
+    return None if first is None else first.map(call, reset)
+
+
+def carry_first(op: str, initial, transfer, final_from_zero):
+    """The op's `first` part at a piece's end from `initial` (None: zero)."""
+    return TRANSFERS[op].first.carry(initial, transfer, final_from_zero)
+
+
+def carry(op: str, initial, transfer, final_from_zero):
+    """The state at a piece's end when it starts from `initial` (None: zero), by op `op`'s composition."""
+    return TRANSFERS[op].carry(initial, transfer, final_from_zero)

@@ -22,7 +22,7 @@ import jinja2
 import yaml
 from jsonargparse import ArgumentParser
 
-from lm.config_errors import error_line
+from lm.config_errors import error_line, load_yaml
 from lm.errors import UserError
 from lm.resources import shipped
 from lm.slurm import scheduler
@@ -33,8 +33,9 @@ TEMPLATE = shipped("slurm/templates/job.sbatch.j2")
 
 @dataclass
 class SlurmOptions:
-    """A job's resources and the site's settings. Defaults come from the site file ($LM_SLURM_SITE, else
-    ~/.config/lm/slurm.yaml; see slurm/site.example.yaml), then from the command line.
+    """A job's resources and the site's settings (defaults: the site file, then the command line).
+
+    The site file is $LM_SLURM_SITE, else ~/.config/lm/slurm.yaml (see slurm/site.example.yaml).
 
     Args:
         nodes: Nodes (default: the run's strategy.num_nodes).
@@ -96,7 +97,9 @@ def submit_parser() -> ArgumentParser:
     site = site_file()
     parser = ArgumentParser(prog="lm slurm submit", exit_on_error=False, default_env=False, allow_abbrev=False,
                             default_config_files=[str(site)] if site.is_file() else [],
-                            description="Submit a training run, a sweep or an evaluation to SLURM.")
+                            description="Submit a training run, a sweep or an evaluation to SLURM. Defaults "
+                                        "come from the site file: $LM_SLURM_SITE, else ~/.config/lm/slurm.yaml "
+                                        "(see slurm/site.example.yaml); the command line overrides them.")
     parser.add_argument("--kind", choices=["train", "eval", "prepare"], default="train",
                         help="train: `lm train` on nodes x devices; eval: an `lm eval` command, one process; prepare: "
                              "`lm prepare` as an array of --tasks parts and a merge job.")
@@ -110,7 +113,9 @@ def submit_parser() -> ArgumentParser:
                         help="Where the script and the job's own log go (default: RUN_DIR/slurm; a sweep: "
                              "runs/sweeps/NAME; an evaluation: the checkpoint's run directory/slurm; prepare: "
                              "OUT/slurm).")
-    parser.add_argument("--dry_run", type=bool, default=False, help="Print the script; submit nothing.")
+    parser.add_argument("--dry_run", type=bool, default=False,
+                        help="Print the script and write what it needs (the frozen config, the log folder), so that "
+                             "`sbatch SCRIPT` submits it as printed; submit nothing.")
     parser.add_class_arguments(SlurmOptions, nested_key=None)
     return parser
 
@@ -149,10 +154,7 @@ def sweep_runs(path: str) -> list[list[str]]:
     """
     if not Path(path).is_file():
         raise UserError(f"sweep file {path} not found")
-    try:
-        sweep = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"sweep file {path} is not valid YAML ({' '.join(str(err).split())})") from None
+    sweep = load_yaml(path) or {}  # a syntax error: "FILE, line N: what"
     runs = sweep.get("runs") if isinstance(sweep, dict) else None
     if not runs or not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
         raise UserError(f"sweep file {path} needs `runs:`, a list of mappings of config keys to values")
@@ -253,8 +255,11 @@ def submit_prepare(run: PlannedRun, arguments: dict, opts: SlurmOptions, job_dir
     merge = PlannedRun(run.run_dir, [*run.args, "--merge", "true"], None, run.shape)
     scripts = {"prepare": render("prepare", [run], opts, job_dir, False, name, tasks),
                "merge": render("prepare", [merge], opts, job_dir, False, f"{name}-merge")}
-    if dry_run:
+    if dry_run:  # the log folder only: the plan step (and its tokenizer) is real work, done at submission
+        job_dir.mkdir(parents=True, exist_ok=True)
         print("\n".join(scripts.values()), end="")
+        print(f"lm slurm submit: dry run: nothing submitted; wrote {job_dir} for the scripts above (each says how to "
+              f"submit it)", file=sys.stderr)
         return None
     scheduler.require("sbatch")
     from lm.data_prep.prepare import prepare
@@ -282,6 +287,19 @@ def refuse_live_jobs(run_dirs: list[Path]) -> None:
             if scheduler.is_live(info):
                 raise UserError(f"run_dir {run_dir} is already being trained by live job {job['job']} "
                                 f"({info['JobState']}): scancel it, wait for it, or use another run_dir")
+
+
+def write_what_the_script_needs(runs: list[PlannedRun], job_dir: Path) -> list[Path]:
+    """Each run's frozen config and slurm/ folder (an array task's log goes there), and the job's log folder: made at
+    submission, and by a dry run, whose printed script is then submitted as it is. What was written."""
+    written = []
+    for run in runs:
+        (run.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+        if run.frozen:
+            run.frozen[0].write_text(run.frozen[1])
+            written.append(run.frozen[0])
+    job_dir.mkdir(parents=True, exist_ok=True)
+    return [*written, job_dir]
 
 
 def render(kind: str, runs: list[PlannedRun], opts: SlurmOptions, job_dir: Path, array: bool,
@@ -346,17 +364,16 @@ def submit_from_args(argv: list[str]) -> str | None:
         job_name = f"lm-{runs[0].run_dir.name}"
 
     script = render(kind, runs, opts, job_dir, bool(array), job_name, tasks)
-    if dry_run:
+    if not dry_run:
+        if kind == "train":
+            refuse_live_jobs([r.run_dir for r in runs])
+        scheduler.require("sbatch")
+    written = write_what_the_script_needs(runs, job_dir)
+    if dry_run:  # the script, as printed, can be submitted with sbatch: what it points at is there
         print(script, end="")
+        print(f"lm slurm submit: dry run: nothing submitted; wrote {', '.join(map(str, written))} for the script "
+              f"above (submit it with sbatch as it is)", file=sys.stderr)
         return None
-    if kind == "train":
-        refuse_live_jobs([r.run_dir for r in runs])
-    scheduler.require("sbatch")
-    for run in runs:
-        (run.run_dir / "slurm").mkdir(parents=True, exist_ok=True)
-        if run.frozen:
-            run.frozen[0].write_text(run.frozen[1])
-    job_dir.mkdir(parents=True, exist_ok=True)
     path = job_dir / f"{kind}-{stamp}.sbatch"
     path.write_text(script)
     job_id = scheduler.sbatch(path)

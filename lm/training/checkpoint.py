@@ -16,6 +16,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lm.data_prep.shards import sha256_file
@@ -56,23 +57,22 @@ class StepCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer, filepath):
         final, tmp = Path(filepath), Path(str(filepath) + ".tmp")
+        strategy = trainer.strategy
         if trainer.is_global_zero:
             _remove(tmp)  # left by a crash
-        trainer.strategy.barrier()
-        error = None
-        try:
-            trainer.save_checkpoint(tmp, self.save_weights_only)  # ends with a barrier: every rank has written
-            error = _pop_write_error(trainer.strategy)
-            if error is None and trainer.is_global_zero:
-                self._commit(tmp, final, trainer.global_step)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            error = write_error_in(err) or _disk_refuses(err, tmp.parent)
-            if error is None:
-                raise
-        # Every rank learns of a failure on any rank, and all end together (rank 0's line says it).
-        if trainer.strategy.reduce_boolean_decision(error is not None, all=False):
+        strategy.barrier()
+        # Every rank learns of a failure on any rank, and all end together (rank 0's line says it): first of the
+        # writes (each rank's shards; DeepSpeed's save goes on to its end on every rank, lm.training.strategy), then,
+        # only once every rank has written, of rank 0's manifest and rename.
+        error = _attempt(lambda: _write(trainer, tmp, self.save_weights_only), tmp.parent)
+        failed = strategy.reduce_boolean_decision(error is not None, all=False)
+        if not failed:
+            if trainer.is_global_zero:
+                error = _attempt(lambda: self._commit(tmp, final, trainer.global_step), tmp.parent)
+            failed = strategy.reduce_boolean_decision(error is not None, all=False)
+        if failed:
             self._give_up(trainer, tmp, final, error)
-        trainer.strategy.barrier()
+        strategy.barrier()
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = str(final)
         if trainer.is_global_zero:
@@ -97,9 +97,13 @@ class StepCheckpoint(ModelCheckpoint):
             _remove(tmp)
             if not final.exists():
                 manifest_of(final).unlink(missing_ok=True)
+        # This rank's error, else another's (its errno: the ranks that failed on a full disk all say ENOSPC).
+        code = torch.tensor(float(getattr(error, "errno", None) or 0), device=trainer.strategy.root_device)
+        code = int(trainer.strategy.reduce(code, reduce_op=torch.distributed.ReduceOp.MAX))
         trainer.strategy.barrier()
         newest = newest_checkpoint(self.dirpath, warn=False)
-        reason = f"{error.strerror or error}" if error is not None else "another rank's write failed"
+        reason = (f"{error.strerror or error}" if error is not None else os.strerror(code) if code else
+                  "another rank's write failed")
         resume = f"resume from {newest} once there is room" if newest else "no earlier checkpoint to resume from"
         raise CheckpointWriteFailed(f"cannot write checkpoint {final.name} in {self.dirpath} ({reason}); the "
                                     f"partial copy was removed; {resume}", rank=trainer.global_rank)
@@ -124,13 +128,34 @@ class StepCheckpoint(ModelCheckpoint):
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
-def _pop_write_error(strategy) -> OSError | None:
-    """The OSError a single-file save kept (lm.training.checkpoint_io.StreamingCheckpointIO), once."""
-    checkpoint_io = strategy.checkpoint_io
-    error = getattr(checkpoint_io, "write_error", None)
-    if error is not None:
-        checkpoint_io.write_error = None
-    return error
+def _write(trainer, tmp: Path, weights_only: bool) -> None:
+    """This rank's part of the checkpoint, into `tmp`; an error that a writer kept rather than raised is raised."""
+    trainer.save_checkpoint(tmp, weights_only)  # ends with a barrier: every rank has written
+    if (error := _pop_write_error(trainer.strategy)) is not None:
+        raise error
+
+
+def _attempt(write, directory: Path) -> OSError | None:
+    """The OSError that makes `write()` fail (None: it succeeded); any other failure is raised."""
+    try:
+        write()
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        error = write_error_in(err) or _disk_refuses(err, directory)
+        if error is None:
+            raise
+        return error
+    return None
+
+
+def _pop_write_error(strategy) -> Exception | None:
+    """The error a save kept, once: a single file's OSError (lm.training.checkpoint_io.StreamingCheckpointIO), or
+    that of any of DeepSpeed's writes (lm.training.strategy.StreamingDeepSpeedStrategy)."""
+    for keeper in (strategy.checkpoint_io, strategy):
+        error = getattr(keeper, "write_error", None)
+        if error is not None:
+            keeper.write_error = None
+            return error
+    return None
 
 
 def write_error_in(err: BaseException) -> OSError | None:

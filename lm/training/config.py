@@ -5,7 +5,7 @@ from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lm.config_errors import error_line
+from lm.config_errors import check_config_files, error_line
 from lm.errors import UserError
 from lm.model import LMConfig
 from lm.training.data import DataConfig
@@ -72,8 +72,9 @@ class TrainerConfig:
 
 @dataclass
 class InLoopEvalConfig:
-    """Evaluation of the current weights during training (OLMo-core's DownstreamEvaluator, gpt-neox's eval_tasks),
-    by lm/eval/in_loop.py; its results are logged beside the loss as eval/TASK/METRIC.
+    """Evaluation of the current weights during training (OLMo-core's DownstreamEvaluator, gpt-neox's eval_tasks).
+
+    By lm/eval/in_loop.py; its results are logged beside the loss as eval/TASK/METRIC.
 
     Args:
         every: Evaluate every this many optimizer steps (0: never).
@@ -159,6 +160,7 @@ def train_parser() -> ArgumentParser:
 
 def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
     """(config, resume, resolved YAML) from `lm train` arguments; bad input raises UserError."""
+    check_config_files(argv)  # a YAML syntax error names its file and line
     parser = train_parser()
     try:
         namespace = parser.parse_args(argv)

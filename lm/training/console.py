@@ -14,9 +14,12 @@ BANNERS = {
     "DeepSpeed": ("Setting accelerator to CPU. If you have GPU or other accelerator",),  # on every CPU-only machine
 }
 # (category, a regular expression matched at the start of the message)
-DEPRECATIONS = [
+KNOWN_WARNINGS = [
     # Lightning 2.6's own _pytree helper builds torch's deprecated LeafSpec; nothing a user can change.
     (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    # val/ppl and a mixture's val/loss are logged after their reduction over the ranks (LMModule): the same value on
+    # every rank, which sync_dist would all-reduce again for nothing.
+    (UserWarning, r"It is recommended to use `self\.log\('val/(ppl|loss)"),
 ]
 
 
@@ -32,10 +35,10 @@ class DropMessages(logging.Filter):
 
 
 def quiet_known_noise() -> None:
-    """Drop the known banners, tips and deprecations (BANNERS, DEPRECATIONS) from here on; idempotent."""
+    """Drop the known banners, tips and warnings (BANNERS, KNOWN_WARNINGS) from here on; idempotent."""
     for name, starts in BANNERS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(starts))
-    for category, message in DEPRECATIONS:
+    for category, message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)

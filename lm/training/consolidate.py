@@ -6,6 +6,8 @@ shards, consolidated by DeepSpeed's own zero_to_fp32, as Lightning's converter d
 written. Every file is read as data only (lm.training.data_only), and checked for that before any library reads it.
 """
 
+import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -66,7 +68,8 @@ def _deepspeed_checkpoint(path: Path) -> dict:
     client state (Lightning's loops, callbacks, hyperparameters) with DeepSpeed's consolidated fp32 weights."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint, get_model_state_file
 
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="checkpoint")
+    with contextlib.redirect_stdout(sys.stderr):  # its progress lines are notices; stdout is the command's result
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(path), tag="checkpoint")
     client = load(get_model_state_file(str(path / "checkpoint"), deepspeed_stage(path)))
     checkpoint = {key: value for key, value in client.items() if key not in DEEPSPEED_OWN}
     checkpoint["state_dict"] = {key.removeprefix("_forward_module."): value for key, value in weights.items()}

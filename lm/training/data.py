@@ -288,7 +288,7 @@ class TokenDataModule(L.LightningDataModule):
     @property
     def replica(self) -> tuple[int, int]:
         """(this rank's data-parallel rank, the data-parallel size): the ranks of a context group (consecutive
-        ranks, lm.context_parallel.context_groups) read the same windows."""
+        ranks, lm.mixers.context_parallel.layout) read the same windows."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         return rank // self.context_parallel, max(1, world // self.context_parallel)
 

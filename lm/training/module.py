@@ -7,7 +7,7 @@ import lightning as L
 import torch
 
 from lm.accounting.flops import flops_spent_per_token
-from lm.context_parallel import join_context_group
+from lm.mixers.context_parallel import join_context_group
 from lm.model import LanguageModel, LMConfig
 from lm.training.param_groups import decay_groups, param_groups
 from lm.training.rng import rng_state, set_rng_state
@@ -39,22 +39,26 @@ class LMModule(L.LightningModule):
         self.decay_groups = decay_groups(self.model)  # now: FSDP2's sharded parameters lose the mixers' markers
         self.model.activation_checkpointing = activation_checkpointing
         self.compile_blocks = compile
-        self.context_parallel = context_parallel  # ranks that share each window (lm.context_parallel)
+        self.context_parallel = context_parallel  # ranks that share each window (lm.mixers.context_parallel)
         self.skipped_steps = self.skips_in_a_row = 0  # steps whose gradients were not finite (callbacks.stability)
 
     batch_shape: tuple[int, int] | None = None  # (micro_batch, seq_len) of this rank, which lm train sets
-    _batch_flops: float | None = None  # flops_per_batch of the micro-batch that ran last (training_step resets it)
+    _batch_flops: float | None = None  # flops_per_batch of the micro-batch that ran last (each step resets it)
+    _batch_windows: int | None = None  # windows in that micro-batch (a validation's last may hold fewer)
+    _step_loss: tuple[int, torch.Tensor, int] | None = None  # (optimizer step, sum of micro-batch losses, count)
 
     @property
     def flops_per_batch(self) -> float | None:
-        """Training FLOPs of this rank's last micro-batch as it ran (lm.accounting.flops.flops_spent_per_token): what
-        Lightning's ThroughputMonitor takes for MFU and lm.training.callbacks.spent_flops adds up."""
+        """FLOPs of this rank's last micro-batch as it ran (lm.accounting.flops.flops_spent_per_token): with its
+        backward in training, the forward alone in validation. What Lightning's ThroughputMonitor takes for MFU
+        (lm.training.callbacks.throughput) and lm.training.callbacks.spent_flops adds up."""
         if self.batch_shape is None:
             return None
         if self._batch_flops is None:  # once per micro-batch: both readers of it read Mesa's telemetry (a host sync)
             micro_batch, seq_len = self.batch_shape
+            windows = self._batch_windows or micro_batch
             # Under context parallelism the group's ranks spend the window's FLOPs together: this rank's share.
-            self._batch_flops = (flops_spent_per_token(self.model, seq_len, training=True) * micro_batch * seq_len
+            self._batch_flops = (flops_spent_per_token(self.model, seq_len, training=self.training) * windows * seq_len
                                  / self.context_parallel)
         return self._batch_flops
 
@@ -82,16 +86,29 @@ class LMModule(L.LightningModule):
                 block.compile()
 
     def training_step(self, batch, batch_idx):
-        self._batch_flops = None
+        self._batch_flops, self._batch_windows = None, len(batch)
         loss = next_token_loss(self.model, batch)
-        # The loss over every rank's micro-batch (one all-reduce, no host sync), so logs compare across strategies.
-        mean_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
-        self.log("train/loss", mean_loss, prog_bar=True)
-        self.log("train/ppl", torch.exp(mean_loss.clamp(max=50.0)))
+        self.log_step_loss(loss.detach())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], prog_bar=True)
         return loss
 
+    def log_step_loss(self, loss: torch.Tensor) -> None:
+        """train/loss and train/ppl of the optimizer step, as one process with the whole global batch logs them: the
+        mean over every rank (one all-reduce, no host sync; under context parallelism the mean of a window's pieces
+        is the window's) and over the step's micro-batches so far. Lightning logs the value of the step's last
+        micro-batch, which is then the step's: one run logs the same curve on any world size and accumulation."""
+        mean_loss = self.trainer.strategy.reduce(loss, reduce_op="mean")
+        step = self.trainer.global_step  # moves after a step's last micro-batch
+        if self._step_loss is None or self._step_loss[0] != step:
+            self._step_loss = (step, mean_loss, 1)
+        else:
+            self._step_loss = (step, self._step_loss[1] + mean_loss, self._step_loss[2] + 1)
+        step_loss = self._step_loss[1] / self._step_loss[2]
+        self.log("train/loss", step_loss, prog_bar=True)
+        self.log("train/ppl", torch.exp(step_loss.clamp(max=50.0)))
+
     def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self._batch_flops, self._batch_windows = None, len(batch)
         loss = next_token_loss(self.model, batch)
         names = self.source_names
         # A mixture has one loader per source: its metrics are logged per source, its losses at the epoch's end.

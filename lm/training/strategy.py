@@ -41,7 +41,7 @@ class StrategyConfig:
         offload_optimizer: DeepSpeed: keep optimizer state (and its step) on the CPU.
         offload_params: DeepSpeed stage 3: keep parameters on the CPU.
         deepspeed_config: A DeepSpeed JSON (see configs/deepspeed/); the settings above override its keys.
-        context_parallel: Ranks that share each window (lm.context_parallel), each holding a contiguous piece of
+        context_parallel: Ranks that share each window (lm.mixers.context_parallel), each holding a contiguous piece of
             data.seq_len / N tokens; the data-parallel size is then the processes / N. DDP or FSDP (which shards over
             every process).
     """
@@ -113,24 +113,51 @@ class StrategyConfig:
 
 
 class StreamingDeepSpeedStrategy(DeepSpeedStrategy):
-    """DeepSpeed whose shards are written as lm writes a single file (lm.training.checkpoint_io.stream_save): through
-    a Python file, so a failed write (a full disk) raises its OSError rather than torch's RuntimeError."""
+    """DeepSpeed whose shards are written as lm writes a single file (lm.training.checkpoint_io.stream_save), and
+    whose save goes on to its end on every rank when a write fails (`write_error`, see stream_deepspeed_saves)."""
+
+    write_error: Exception | None = None
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         engine, ds_optimizer = super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
-        stream_deepspeed_saves(engine)
+        stream_deepspeed_saves(engine, self)
         return engine, ds_optimizer
 
 
-def stream_deepspeed_saves(engine) -> None:
-    """DeepSpeed's default (torch) checkpoint engine saves through stream_save; another engine keeps its own."""
+def stream_deepspeed_saves(engine, keeper) -> None:
+    """DeepSpeed's default (torch) checkpoint engine saves through stream_save; another engine keeps its own.
+
+    DeepSpeed's save meets the other ranks in barriers of its own, the last one after every rank's writes: a rank
+    whose write raised (a full disk on its node) would leave the others waiting there for ever. So each write of the
+    save (the directory, the shards, the recovery scripts, `latest`) keeps its error in `keeper.write_error` instead,
+    and the rank writes nothing more of that save but walks on through DeepSpeed's barriers to its end;
+    lm.training.checkpoint then tells every rank, and all end in one line."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    def save(state_dict, path):  # DeepSpeed passes both by keyword
-        stream_save(state_dict, path)
+    def kept(write):
+        def write_unless_failed(*args, **kwargs):
+            if keeper.write_error is None:
+                try:
+                    write(*args, **kwargs)
+                except Exception as err:  # an OSError, or torch's writer's own error around a short write
+                    keeper.write_error = err
+        return write_unless_failed
+
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        keeper.write_error = None
+        tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+        # `latest` is written here, once DeepSpeed's save has met its last barrier, so that its failure is kept too.
+        done = deepspeed_save(save_dir, tag=tag, client_state=client_state or {}, save_latest=False, **kwargs)
+        if save_latest and engine.global_rank == 0:
+            kept(lambda: (Path(save_dir) / "latest").write_text(tag))()
+        return done
 
     if type(engine.checkpoint_engine) is TorchCheckpointEngine:
-        engine.checkpoint_engine.save = save
+        deepspeed_save = engine.save_checkpoint
+        engine.checkpoint_engine.save = kept(lambda state_dict, path: stream_save(state_dict, path))  # by keyword
+        engine.checkpoint_engine.makedirs = kept(engine.checkpoint_engine.makedirs)
+        engine._copy_recovery_script = kept(engine._copy_recovery_script)
+        engine.save_checkpoint = save_checkpoint
 
 
 class CPUDeepSpeedStrategy(StreamingDeepSpeedStrategy):
@@ -159,7 +186,7 @@ class CPUDeepSpeedStrategy(StreamingDeepSpeedStrategy):
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
             model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
-        stream_deepspeed_saves(engine)
+        stream_deepspeed_saves(engine, self)
         return engine, ds_optimizer
 
 

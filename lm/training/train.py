@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar, ThroughputMonitor
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
@@ -19,6 +19,7 @@ from lm.errors import Diverged, UserError
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
 from lm.training.callbacks.faults import planned as planned_faults
+from lm.training.callbacks.final_validation import FinalValidation
 from lm.training.callbacks.graceful_stop import GracefulStop
 from lm.training.callbacks.mixer_metrics import MixerMetrics
 from lm.training.callbacks.progress import progress_callbacks
@@ -27,6 +28,7 @@ from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.source_tokens import LogSourceTokens
 from lm.training.callbacks.spent_flops import SpentFlops
 from lm.training.callbacks.stability import StabilityMonitor
+from lm.training.callbacks.throughput import Throughput
 from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
 from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
 from lm.training.config import RunConfig
@@ -39,20 +41,6 @@ from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
 from lm.training.stop_request import StoppedForRequeue
 from lm.training.strategy import StrategyConfig, build_strategy
-
-
-class Throughput(ThroughputMonitor):
-    """Lightning's tokens/s and FLOP/s monitor, with MFU against a configured peak (dense bf16 989e12 for an
-    H100/H200) rather than Lightning's own table, so every architecture is measured against the same peak."""
-
-    def __init__(self, peak_flops: float | None, **kwargs):
-        super().__init__(**kwargs)
-        self.peak_flops = peak_flops
-
-    def setup(self, trainer, pl_module, stage):
-        super().setup(trainer, pl_module, stage)
-        for throughput in self._throughputs.values():
-            throughput.available_flops = self.peak_flops or throughput.available_flops
 
 
 def check_compatible(config: RunConfig, manifest: dict) -> None:
@@ -200,9 +188,8 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
     tokens = lambda batch: batch.shape[0] * (batch.shape[1] - 1) // pieces  # noqa: E731
     # What a step's checkpoint must hold of the step (its windows, its FLOPs) is counted before a stop can save one.
     callbacks = [RunDirLock(run_dir), LogSlurmRestarts(), CountConsumedWindows(), LogSourceTokens(), SpentFlops(), stop,
-                 stability, MixerMetrics(),
-                 Throughput(t.peak_flops, batch_size_fn=lambda batch: batch.shape[0] / pieces, length_fn=tokens,
-                            window_size=max(2, t.log_every)),
+                 FinalValidation(), stability, MixerMetrics(),
+                 Throughput(t.peak_flops, pieces, tokens, window_size=max(2, t.log_every)),
                  StepCheckpoint(str(run_dir / "checkpoints"), every=t.ckpt_every, keep_last=t.keep_last),
                  *progress_callbacks(t.progress_bar, t.log_every, tokens)]
     if t.rank_every:
@@ -282,6 +269,8 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
+        # the model as built: a hybrid's mix shows here (a cut pattern would have)
+        print(f"lm train: {module.model.num_params():,} parameters; {config.model.layer_summary()}", file=sys.stderr)
         context = f" (context parallel: {pieces} processes share each window)" if pieces > 1 else ""
         print(f"lm train: {replicas} processes{context} x micro_batch {config.data.micro_batch} x accumulate "
               f"{accumulate} = {global_batch} sequences ({global_batch * config.data.seq_len:,} tokens) per step",

@@ -1,7 +1,7 @@
 """`lm research mesa-ablation`: why Mesa trails Gated DeltaNet in `lm compare demo`, tested on the demo's shape (1M
 parameters, the bundled corpus, seq_len 128) with more optimizer steps, so that the gates can move.
 
-The settings file (configs/bench/mesa_ablation.yaml) names the variants: each changes one thing from today's Mesa
+The settings file (configs/research/mesa_ablation.yaml) names the variants: each changes one thing from today's Mesa
 (its options, its head count, or its lr), and Gated DeltaNet runs at the same seeds. This is not a full factorial:
 one that crossed every change would not fit the 80 minutes on 2 cores it takes. Every variant is its own `lm
 compare plan` at matched parameters (an output gate or a head shape that changes the count is paid for by the MLP).
@@ -22,14 +22,14 @@ import yaml
 from lm.errors import UserError
 from lm.resources import shipped
 
-SETTINGS = shipped("configs/bench/mesa_ablation.yaml")
+SETTINGS = shipped("configs/research/mesa_ablation.yaml")
 
 
 def load_variants(path: Path = SETTINGS) -> tuple[dict[str, tuple[str, dict, list[float], int | None]], list[int]]:
     """(name -> (mixer, options, lrs, n_heads or None), seeds) from the settings file
-    (configs/bench/mesa_ablation.yaml)."""
+    (configs/research/mesa_ablation.yaml)."""
     if not Path(path).is_file():
-        raise UserError(f"{path} not found: give --settings (configs/bench/mesa_ablation.yaml of the source tree)")
+        raise UserError(f"{path} not found: give --settings (configs/research/mesa_ablation.yaml of the source tree)")
     settings = yaml.safe_load(Path(path).read_text())
     variants = {name: (v["mixer"], v.get("options") or {}, v.get("lrs") or settings["lrs"], v.get("n_heads"))
                 for name, v in settings["variants"].items()}
@@ -184,7 +184,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
                   seq_len: int = 128, vocab_size: int = 2048, data: str | None = None, workers: int = 2,
                   val_windows: int | None = None, only: list[str] | None = None, report_only: bool = False,
                   settings: str = str(SETTINGS)) -> dict:
-    """Mesa's variants (configs/bench/mesa_ablation.yaml) against Gated DeltaNet, with seeds (about 80 minutes on 2
+    """Mesa's variants (configs/research/mesa_ablation.yaml) against Gated DeltaNet, with seeds (about 80 minutes on 2
     CPU cores, docs/mesa.md).
 
     Args:
@@ -197,9 +197,9 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
         data: An already prepared dataset instead of the bundled corpus.
         workers: Runs at once, each in its own process with cpu_count / workers threads.
         val_windows: Validation windows, in training and in `lm eval ppl` (default: the whole validation split).
-        only: Run only these variants (names in configs/bench/mesa_ablation.yaml).
+        only: Run only these variants (names in configs/research/mesa_ablation.yaml).
         report_only: Train nothing: the table and the report from the runs already under --out.
-        settings: The variants, lrs and seeds (default: configs/bench/mesa_ablation.yaml of the source tree).
+        settings: The variants, lrs and seeds (default: configs/research/mesa_ablation.yaml of the source tree).
     """
     import os
     from functools import partial

@@ -81,7 +81,7 @@ def test_a_bad_setting_is_refused_in_one_line_before_anything_is_written(runs, t
 def test_a_ladder_gives_its_largest_rungs_runs_named_as_the_ladder_names_them(tmp_path):
     """--ladder OUT: the finished runs of the rung with the most parameters, every arch (a variant by its ladder name)
     and seed; an unfinished run (no checkpoints) is left out."""
-    from lm.eval.test_time import describe, largest_rung_runs
+    from lm.research.cg_at_inference import describe, largest_rung_runs
 
     def run(name: str, arch: str, rung: str, d_model: int, finished: bool = True) -> None:
         (tmp_path / "configs").mkdir(exist_ok=True)
@@ -103,3 +103,19 @@ def test_a_ladder_gives_its_largest_rungs_runs_named_as_the_ladder_names_them(tm
     alone.joinpath("config.yaml").write_text("seed: 4\ndata: {path: d, seq_len: 8}\n"
                                              "model: {mixer: mesa, mixer_options: {mesa: {cg_tol: 1.0e-3}}}\n")
     assert describe(alone)["arch"] == "mesa@cg_tol=0.001"  # a run outside a ladder: named by how it solves
+
+
+def test_a_setting_builds_its_own_model_and_leaves_the_trained_one_alone(runs):
+    """Each setting is a model built with that setting's solver options and the trained weights; the trained model's
+    mixers keep the options they were built with."""
+    import torch
+
+    from lm.research.cg_at_inference import at_setting
+    from lm.training.checkpoint import load_model
+
+    trained, _ = load_model(runs["mesa"])
+    before = [block.mixer.options for block in trained.blocks]
+    model = at_setting(trained, {"cg_steps_eval": 2, "cg_tol": 1e-2})
+    assert [block.mixer.options for block in trained.blocks] == before
+    assert all((b.mixer.options.cg_steps_eval, b.mixer.options.cg_tol) == (2, 1e-2) for b in model.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(trained.state_dict().values(), model.state_dict().values()))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from lm.bench.mixer_speed import OPS, Form, bench_mixer_names, forward_backward, op_call
+from lm.bench.mixer_speed import Form, bench_mixer_names, forward_backward, op_call
 from lm.bench.timing import best_interleaved
 from lm.errors import UserError
 
@@ -34,7 +34,7 @@ def op_at_revision(op: str, rev: str):
     return getattr(module, op)
 
 
-def bench_ab(rev: str, mixers: list[str] | None = None, lengths: list[int] = [512, 2048],  # noqa: B006
+def revision_ab(rev: str, mixers: list[str] | None = None, lengths: list[int] = [512, 2048],  # noqa: B006
              d_model: int = 256, n_heads: int = 4, head_dim: int = 64, batch: int = 1, repeats: int = 4) -> list[dict]:
     """Forward + backward time of each mixer's op at revision REV over the working tree's, as old / new.
 
@@ -60,9 +60,7 @@ def bench_ab(rev: str, mixers: list[str] | None = None, lengths: list[int] = [51
         for T in lengths:
             call, proj = op_call(mixer, T, d_model, n_heads, head_dim, batch)
             op, args = call.op, call.args
-            if op not in OPS:
-                raise UserError(f"{mixer} has no op to compare")
-            old, new = Form(op_at_revision(op, rev), call.kwargs), Form(OPS[op][0], call.kwargs)
+            old, new = Form(op_at_revision(op, rev), call.options), Form(call.forms.chunkwise, call.options)
             outputs = {side: forward_backward(fn, args, proj) for side, fn in (("old", old), ("new", new))}
             calls = {side: functools.partial(forward_backward, fn, args, proj) for side, fn in (("old", old),
                                                                                                   ("new", new))}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lm.bench.op_ab import bench_ab, op_at_revision
+from lm.research.revision_ab import op_at_revision, revision_ab
 from lm.errors import UserError
 from lm.ops import delta_rule
 
@@ -10,7 +10,7 @@ from lm.ops import delta_rule
 def test_op_at_head_is_read_from_git_and_matches_the_working_tree(capsys):
     old = op_at_revision("delta_rule", "HEAD")
     assert old is not delta_rule and old.__module__.startswith("lm.ops._delta_rule_at_")
-    rows = bench_ab("HEAD", mixers=["deltanet"], lengths=[16], d_model=32, n_heads=2, head_dim=16, repeats=1)
+    rows = revision_ab("HEAD", mixers=["deltanet"], lengths=[16], d_model=32, n_heads=2, head_dim=16, repeats=1)
     assert len(rows) == 1 and rows[0]["old_over_new"] > 0 and rows[0]["max_abs_diff"] == 0
     assert "| deltanet | delta_rule | 16 |" in capsys.readouterr().out
 

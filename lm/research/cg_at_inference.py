@@ -29,13 +29,15 @@ import yaml
 
 from lm.accounting.flops import flops_spent_per_token
 from lm.errors import UserError
+from lm.mixers import MIXERS
+from lm.model import LanguageModel, LMConfig
 from lm.output import markdown_table, write_json
 from lm.plotting import pyplot, save
 
 STEPS = (0, 1, 2, 4, 8, 16, 30)
 TOLS = (1e-2, 1e-3, 1e-4)
 RECALL_DEPTHS = (0.1, 0.5, 0.9)
-SOLVER_OPTIONS = ("cg_steps_eval", "cg_tol")  # what a mixer must have to be evaluated at every setting
+SOLVER_OPTIONS = {"cg_steps_eval", "cg_tol"}  # what a mixer must have to be evaluated at every setting
 TRAINED_SOLVER = ("cg_steps", "cg_tol")  # a run's own settings of these name it apart ("mesa@cg_tol=0.001")
 
 
@@ -46,16 +48,20 @@ def settings(steps: list[int], tols: list[float]) -> list[dict]:
             + [{"setting": f"tol {t:g}", "cg_steps_eval": most, "cg_tol": t} for t in tols])
 
 
-def solvers(model) -> list:
-    """The mixers of `model` whose CG solve the settings change."""
-    mixers = [block.mixer for block in model.blocks]
-    return [m for m in mixers if all(hasattr(m.options, name) for name in SOLVER_OPTIONS)]
+def solvers(cfg: LMConfig) -> list[str]:
+    """The mixers of a model whose CG solve the settings change (those with every one of SOLVER_OPTIONS)."""
+    return [name for name in dict.fromkeys(cfg.layer_mixers())
+            if SOLVER_OPTIONS <= {f.name for f in dataclasses.fields(MIXERS[name].Options)}]
 
 
-def use_setting(mixers: list, setting: dict) -> None:
-    for mixer in mixers:
-        mixer.options = dataclasses.replace(mixer.options, cg_steps_eval=setting["cg_steps_eval"],
-                                            cg_tol=setting["cg_tol"])
+def at_setting(model: LanguageModel, setting: dict) -> LanguageModel:
+    """A model built anew with the solver options of `setting` and `model`'s weights, in eval mode (the built mixers'
+    options are never changed in place: their settings decide how they were built)."""
+    solve = {"cg_steps_eval": setting["cg_steps_eval"], "cg_tol": setting["cg_tol"]}
+    options = {name: {**model.cfg.mixer_options.get(name, {}), **solve} for name in solvers(model.cfg)}
+    built = LanguageModel(dataclasses.replace(model.cfg, mixer_options={**model.cfg.mixer_options, **options}))
+    built.load_state_dict(model.state_dict())
+    return built.eval()
 
 
 def validation(model, windows: torch.Tensor, batch_size: int) -> dict:
@@ -154,7 +160,7 @@ def parameters(run: Path) -> int:
     return param_count(LMConfig(**yaml.safe_load((run / "config.yaml").read_text())["model"]))
 
 
-def test_time(runs: list[str] = [], ladder: str | None = None, out: str = "runs/test-time",  # noqa: B006
+def cg_at_inference(runs: list[str] = [], ladder: str | None = None, out: str = "runs/test-time",  # noqa: B006
               steps: list[int] = list(STEPS), tols: list[float] = list(TOLS),  # noqa: B006
               max_windows: int | None = None, batch_size: int = 16, recall_lengths: list[int] = [512, 1024],  # noqa: B006
               recall_examples_per_length: int = 12) -> dict:
@@ -202,13 +208,11 @@ def test_time(runs: list[str] = [], ladder: str | None = None, out: str = "runs/
 
     rows, curves = [], []
     for checkpoint, about in zip(checkpoints, described, strict=True):
-        model, _ = load_model(checkpoint)
-        model.eval()
-        mixers = solvers(model)
-        for setting in settings(steps, tols) if mixers else [{"setting": "fixed", "cg_steps_eval": None,
-                                                              "cg_tol": None}]:
-            if mixers:
-                use_setting(mixers, setting)
+        trained, _ = load_model(checkpoint)
+        fixed = not solvers(trained.cfg)
+        for setting in [{"setting": "fixed", "cg_steps_eval": None, "cg_tol": None}] if fixed else settings(steps,
+                                                                                                             tols):
+            model = trained if fixed else at_setting(trained, setting)
             val = validation(model, windows, batch_size)
             row = {"arch": about["arch"], "seed": about["seed"], "checkpoint": str(checkpoint), **setting,
                    "cg_steps_run": val["cg_steps_run"], "flops_per_token": val["flops"], "val_loss": val["loss"],
