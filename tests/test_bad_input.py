@@ -450,7 +450,8 @@ def test_a_site_file_with_a_yaml_syntax_error_is_named_with_its_line(template, t
 
 def test_slurm_submit_takes_dry_run_as_its_help_shows(template, tmp_path, monkeypatch, capsys):
     """`--dry_run true` (the form --help shows), `--dry-run` and `--dry_run` alone all print the script and submit
-    nothing."""
+    nothing; what they write is what the printed script needs (the frozen config and the log folder, under the run
+    directory's slurm/), and nothing else changes."""
     work = tmp_path / "work"
     shutil.copytree(template, work)
     monkeypatch.chdir(work)
@@ -461,4 +462,7 @@ def test_slurm_submit_takes_dry_run_as_its_help_shows(template, tmp_path, monkey
         code = main(["slurm", "submit", *flag, *TRAIN_ARGS])
         captured = capsys.readouterr()
         assert code == 0 and "#SBATCH" in captured.out, (flag, code, captured.err)
-    assert tree_state(work) == before
+    after = tree_state(work)
+    assert {path: state for path, state in after.items() if path in before} == before
+    written = {Path(path) for path in after.keys() - before.keys()} - {Path("newrun")}  # the run directory
+    assert written and all(path.parts[:2] == ("newrun", "slurm") for path in written), written

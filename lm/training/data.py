@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from lm.data_prep.shards import load_manifest, open_split
 from lm.errors import UserError
+from lm.mixers.context_parallel import layout
 from lm.training.mixture import MixtureSchedule
 
 
@@ -252,11 +253,11 @@ class TokenDataModule(L.LightningDataModule):
     """Training and validation loaders over prepared shards, one stream per source of the mixture; its checkpointed
     state is the windows consumed."""
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: DataConfig, context_parallel: int = 1):
         super().__init__()
         self.cfg = cfg
         self.windows_consumed = 0
-        self.context_parallel = 1  # ranks that share each window (strategy.context_parallel), which lm train sets
+        self.context_parallel = context_parallel  # ranks that share each window (strategy.context_parallel)
         self.sources = cfg.mixture()
         self.train_streams = [TokenStream(s.path, "train", verify=cfg.verify) for s in self.sources]
         check_one_tokenizer(self.sources, [stream.manifest for stream in self.train_streams])
@@ -290,7 +291,7 @@ class TokenDataModule(L.LightningDataModule):
         """(this rank's data-parallel rank, the data-parallel size): the ranks of a context group (consecutive
         ranks, lm.mixers.context_parallel.layout) read the same windows."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return rank // self.context_parallel, max(1, world // self.context_parallel)
+        return layout(rank, world, self.context_parallel)[:2]
 
     def train_dataloader(self):
         rank, replicas = self.replica

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
 from lm.errors import UserError
+from lm.mixers.context_parallel import check_layout
 from lm.training.checkpoint_io import stream_save
 
 NAMES = ("auto", "single", "ddp", "deepspeed", "fsdp")
@@ -72,8 +73,7 @@ class StrategyConfig:
             raise UserError(f"strategy.zero_stage must be 1, 2 or 3, not {self.zero_stage}")
         if self.offload_params and self.zero_stage != 3:
             raise UserError("strategy.offload_params needs strategy.zero_stage 3")
-        if not (isinstance(self.context_parallel, int) and self.context_parallel >= 1):
-            raise UserError(f"strategy.context_parallel must be a number of at least 1, got {self.context_parallel!r}")
+        check_layout(self.context_parallel)
 
     @property
     def on_gpu(self) -> bool:
@@ -89,9 +89,7 @@ class StrategyConfig:
     @property
     def data_parallel_size(self) -> int:
         """Replicas of the model that see different windows: the processes over the ranks that share a window."""
-        if self.world_size % self.context_parallel:
-            raise UserError(f"strategy.context_parallel {self.context_parallel} does not divide the {self.world_size} "
-                            f"processes (devices {self.devices} x num_nodes {self.num_nodes})")
+        check_layout(self.context_parallel, processes=self.world_size)
         return self.world_size // self.context_parallel
 
     @property

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from lm.errors import Diverged, UserError
+from lm.mixers.context_parallel import check_layout
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
 from lm.training.callbacks.faults import planned as planned_faults
@@ -217,9 +218,7 @@ def batch_plan(config: RunConfig) -> tuple[int, int, int]:
     """(data-parallel size, accumulation, global batch in sequences) from the config (lm.training.batch). The ranks
     of a context group share their windows, so the data-parallel size is the world over strategy.context_parallel."""
     d, pieces = config.data, config.strategy.context_parallel
-    if d.seq_len % pieces:
-        raise UserError(f"strategy.context_parallel {pieces} does not divide data.seq_len {d.seq_len} into equal "
-                        "pieces")
+    check_layout(pieces, d.seq_len)
     if pieces > 1 and config.eval.every:
         raise UserError("eval.every evaluates on each rank alone, which strategy.context_parallel's ranks cannot: "
                         "evaluate the run's checkpoints with lm eval instead")
@@ -242,7 +241,7 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     warnings.filterwarnings("ignore", message="The `srun` command is available")
     run_dir = Path(config.run_dir)
     L.seed_everything(config.seed, workers=True, verbose=False)
-    datamodule = TokenDataModule(config.data)
+    datamodule = TokenDataModule(config.data, config.strategy.context_parallel)
     check_compatible(config, datamodule.manifest)
     config = with_document_resets(config, datamodule.manifest)
     replicas, accumulate, global_batch = batch_plan(config)
@@ -265,7 +264,6 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
         # Lightning restores a checkpoint's weights before its precision converts the module: a float32 module would
         # round the float64 weights it resumes from.
         module.double()
-    datamodule.context_parallel = pieces
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
