@@ -22,59 +22,11 @@ MATCHED = 1.02  # computes within 2% count as the same (as lm compare plan match
 STEPS_BETWEEN = 8  # computes read between two rungs, to find where the verdict changes
 
 
-def _beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the incomplete beta function (Lentz's method)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1 + numerator * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1) < 1e-14:
-            break
-    return h
-
-
-def t_cdf(t: float, df: float) -> float:
-    """P(T <= t) for Student's t with df degrees of freedom (the regularized incomplete beta function)."""
-    if math.isinf(df):
-        return 0.5 * (1 + math.erf(t / math.sqrt(2)))
-    if t == 0:
-        return 0.5
-    x, rest = df / (df + t * t), t * t / (df + t * t)  # 1 - x, exactly for small t
-    a, b = df / 2, 0.5
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(rest)
-    if x < (a + 1) / (a + b + 2):
-        tail = math.exp(log_front) * _beta_fraction(a, b, x) / a
-    else:
-        tail = 1 - math.exp(log_front) * _beta_fraction(b, a, rest) / b
-    return 1 - tail / 2 if t > 0 else tail / 2
-
-
 def t_quantile(p: float, df: float) -> float:
-    """The p quantile of Student's t: Newton's method on t_cdf from the normal quantile, kept inside a bracket that
-    bisection narrows where a step would leave it."""
-    from statistics import NormalDist
+    """The p quantile of Student's t with df degrees of freedom (scipy's)."""
+    from scipy.stats import t
 
-    t = NormalDist().inv_cdf(p)
-    if df > 1e7:  # the normal, to 1e-7 (and t_cdf's gamma functions lose digits there)
-        return t
-    lo, hi = -1e6, 1e6
-    log_scale = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    for _ in range(100):
-        error = t_cdf(t, df) - p
-        if abs(error) < 1e-14:
-            break
-        lo, hi = (t, hi) if error < 0 else (lo, t)
-        density = math.exp(log_scale - (df + 1) / 2 * math.log1p(t * t / df))
-        step = t - error / density if density > 0 else math.nan
-        t = step if lo < step < hi else (lo + hi) / 2
-    return t
+    return float(t.ppf(p, df))
 
 
 @dataclass(frozen=True)
