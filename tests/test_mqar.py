@@ -27,6 +27,9 @@ TEST_RUNS = {
     # Hawk binds slowly and by seed (docs/mqar.md): at 2000 steps 32.7-96.7% (seed 2 stays on the plateau, seed 1 at
     # 79.8%; seed 0 gave 95.5% here, 89.4% in another launch); 2500 steps: 81.8-99.5%; 3000: 81.2-99.0%.
     "hawk": (2500, 0.6),
+    "kda": (200, 0.8),  # 99.8-100.0% (120 steps: 98.0-99.4%); these three measured Dec 6 2026
+    "precond_gated_deltanet": (200, 0.8),  # 98.9-100.0% (120 steps: 94.3-99.7%)
+    "gated_deltaproduct": (500, 0.8),  # 99.7-100.0% (300 steps: 57.3-100.0%, seed 4 still near the plateau)
 }
 # Sliding-window attention computes what attention does within its window (tests/test_mixer_contract.py), and these
 # sequences are shorter than the window: its MQAR run would repeat attention's, at 1500 steps.

@@ -66,9 +66,15 @@ def expected_state_floats(mixer: str, options: dict, d: int, heads: int, head_di
     if mixer in ("attention", "swa"):  # K and V of every kept token; a window keeps window - 1 of them
         kept = length if mixer == "attention" else min(length, o.window - 1)
         return 2 * (o.n_kv_heads or heads) * head_dim * kept
-    if mixer in ("deltanet", "gated_deltanet", "gla"):  # S [K, V] per head; q, k, v convolved
+    if mixer in ("deltanet", "gated_deltanet", "gla", "kda"):  # S [K, V] per head; q, k, v convolved
         v = round(o.expand_v * head_dim)
         return heads * head_dim * v + conv(2 * heads * head_dim + heads * v)
+    if mixer == "gated_deltaproduct":  # S [K, V] per head; q, and each Householder step's k and v, convolved
+        v, n = round(o.expand_v * head_dim), o.householder_steps
+        return heads * head_dim * v + conv(heads * head_dim + n * heads * (head_dim + v))
+    if mixer == "precond_gated_deltanet":  # S [K, V] and the preconditioner's A [K] per head; q, k, v convolved
+        v = round(o.expand_v * head_dim)
+        return heads * head_dim * (v + 1) + conv(2 * heads * head_dim + heads * v)
     if mixer == "mesa":  # G [V, K] and H [K, K] per head; q, k (and v with conv_v) convolved
         v = round(o.expand_v * head_dim)
         return heads * (v + head_dim) * head_dim + conv(2 * heads * head_dim + (heads * v if o.conv_v else 0))

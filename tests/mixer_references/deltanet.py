@@ -1,8 +1,8 @@
 """DeltaNet and Gated DeltaNet (Yang et al., 2024), token by token in float64 from the mixer's own parameters.
 
 q, k, v = SiLU(causal depthwise conv(W x)) each (no conv, no SiLU with conv_size 0); q, k L2-normalised per head
-(qk_norm); beta_t = sigmoid(W_b x_t); Gated DeltaNet's decay alpha_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias))
-(alpha = 1 for DeltaNet); per head
+(qk_norm); beta_t = low + (high - low) sigmoid(W_b x_t) for beta_range [low, high]; Gated DeltaNet's decay
+alpha_t = exp(-exp(A_log) softplus(W_a x_t + dt_bias)) (alpha = 1 for DeltaNet); per head
 
     S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(K);
 
@@ -50,7 +50,8 @@ def forward(mixer, x, state, reset):
         q, k, v = q.view(B, H, K), k.view(B, H, K), v.view(B, H, V)
         if mixer.options.qk_norm:
             q, k = l2_normalise(q), l2_normalise(k)
-        beta = torch.sigmoid(x_t @ mixer.b_proj.weight.T)[..., None, None]  # [B, H, 1, 1]
+        low, high = mixer.options.beta_range
+        beta = (low + (high - low) * torch.sigmoid(x_t @ mixer.b_proj.weight.T))[..., None, None]  # [B, H, 1, 1]
         S = state["S"]
         if mixer.gated:
             alpha = torch.exp(-torch.exp(mixer.A_log) * softplus(x_t @ mixer.a_proj.weight.T + mixer.dt_bias))
@@ -67,6 +68,8 @@ def forward(mixer, x, state, reset):
 
 
 reference("deltanet", variants=[CHUNK, {**CHUNK, "conv_size": 0}, {**CHUNK, "qk_norm": False},
-                                {**CHUNK, "output_norm": False}, {**CHUNK, "expand_v": 2}])(forward)
+                                {**CHUNK, "output_norm": False}, {**CHUNK, "expand_v": 2},
+                                {**CHUNK, "beta_range": [0.0, 2.0]}])(forward)
 reference("gated_deltanet", variants=[CHUNK, {**CHUNK, "expand_v": 1}, {**CHUNK, "conv_size": 0},
-                                      {**CHUNK, "qk_norm": False, "output_norm": False}])(forward)
+                                      {**CHUNK, "qk_norm": False, "output_norm": False},
+                                      {**CHUNK, "beta_range": [0.0, 2.0]}])(forward)
