@@ -8,11 +8,11 @@ from typing import Literal
 
 from safetensors.torch import save_file
 
-from lm.errors import UserError
 from lm.model import LMConfig
-from lm.output import user_mode, write_json
 from lm.training.checkpoint import resolve_checkpoint, run_dir_of
 from lm.training.consolidate import consolidate
+from lm.util.errors import UserError
+from lm.util.output import user_mode, write_json
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
 

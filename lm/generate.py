@@ -3,8 +3,8 @@
 import torch
 
 from lm.data_prep.tokenizer import separator
-from lm.errors import UserError
 from lm.training.checkpoint import load_with_tokenizer
+from lm.util.errors import UserError
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
 from lm.mixers.context_parallel import ContextGroup, mix_in_context
 from lm.mixers.layers import residual_output
 from lm.ops.cross_entropy import head_cross_entropy
+from lm.util.errors import UserError
 
 
 @dataclass

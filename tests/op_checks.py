@@ -1,4 +1,4 @@
-"""The checks every op of lm.ops shares (DESIGN.md, "Ops contracts"): the chunkwise and recurrent forms against a
+"""The checks every op of lm.ops shares (docs/design.md, "Op contract"): the chunkwise and recurrent forms against a
 float64 token-by-token reference at lengths that are not multiples of the chunk, against each other in float32, with
 gradients; a sequence split anywhere with the state carried (and decoding continuing from it); the zero state as the
 default; long sequences of strong decays; bf16 inputs; the backend argument. Each tests/test_op_*.py describes its op

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lm.cli import main
-from lm.commands import COMMANDS
+from lm.util.commands import COMMANDS
 
 TRAIN_YAML = """\
 model: {vocab_size: 512, d_model: 32, n_layers: 1, n_heads: 2, head_dim: 16, max_seq_len: 64}
@@ -396,8 +396,8 @@ def test_more_gpus_than_the_machine_has_is_refused_before_anything_is_written(te
 def test_several_nodes_need_a_launcher():
     """Outside SLURM and torchrun, a multi-node run would wait for the other nodes forever: refused. Any launcher's
     environment (a SLURM job, torchrun's, nodes started by hand with MASTER_ADDR and NODE_RANK) is left to it."""
-    from lm.errors import UserError
     from lm.training.launch_guard import check_nodes_launch
+    from lm.util.errors import UserError
 
     check_nodes_launch(1, {})
     for env in ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2"}, {"WORLD_SIZE": "2", "RANK": "0"},

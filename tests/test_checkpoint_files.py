@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.errors import UserError
 from lm.training.checkpoint import checkpoint_problem, manifest_of, newest_checkpoint, require_usable
+from lm.util.errors import UserError
 
 
 def plain_checkpoint(path: Path, seed: int = 0) -> Path:

@@ -15,9 +15,9 @@ import torch
 from strategy_runs import ONE_PROCESS, STRATEGIES
 
 from lm.cli import main
-from lm.errors import UserError
 from lm.training.checkpoint import CONTENTS, manifest_of, write_manifest
 from lm.training.data_only import load, require_data_only
+from lm.util.errors import UserError
 
 STEP = "step=00000004.ckpt"
 

@@ -1,4 +1,4 @@
-"""The command table (lm/commands.py) and the help generated from it: every command listed once under its group,
+"""The command table (lm/util/commands.py) and the help generated from it: every command listed once under its group,
 every entry loads, `lm GROUP` lists a group, and a command that moved is an unknown one with a pointer."""
 
 import ast
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lm.cli import main
-from lm.commands import COMMANDS, GROUPS, OWN_ARGV, POSITIONAL, usage
+from lm.util.commands import COMMANDS, GROUPS, OWN_ARGV, POSITIONAL, usage
 
 
 def listed(text: str) -> list[str]:
@@ -116,7 +116,7 @@ def test_a_group_alone_lists_its_commands(group, capsys):
 def test_eval_tasks_names_the_shipped_tasks_and_their_folder_for_lm_eval(capsys):
     from lm_eval.tasks import TaskManager
 
-    from lm.resources import shipped
+    from lm.util.resources import shipped
 
     assert main(["eval", "tasks", "--path", "true"]) == 0
     folder = capsys.readouterr().out.strip()

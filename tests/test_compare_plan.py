@@ -12,10 +12,10 @@ import yaml
 
 from lm.accounting.flops import param_count, train_flops_per_token
 from lm.compare.plan import plan
-from lm.errors import UserError
 from lm.model import LanguageModel, LMConfig
 from lm.slurm.submit import sweep_runs
 from lm.training.config import parse_run_config
+from lm.util.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = "attention,mamba2,mlstm,deltanet,gated_deltanet,mesa,mesa+attention"

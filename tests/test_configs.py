@@ -29,7 +29,7 @@ RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "compare").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_comparison_config_parses_as_its_commands_options(path):
-    from lm.commands import function_parser, load_command
+    from lm.util.commands import function_parser, load_command
 
     command = f"compare {path.stem}"
     assert function_parser(load_command(command), command).parse_args(["--config", str(path)])
@@ -87,7 +87,7 @@ THREE_TO_ONE = "gated_deltanet,gated_deltanet,gated_deltanet,attention"
 def test_a_run_config_may_cut_its_pattern_only_by_saying_so(tmp_path):
     """lm train's parser reads model.cycle_pattern (jsonargparse takes LMConfig's fields); without it the 3:1 pattern
     over 2 layers is refused as the config is read."""
-    from lm.errors import UserError
+    from lm.util.errors import UserError
 
     config = tmp_path / "cut.yaml"
     config.write_text(f"model: {{n_layers: 2, layer_pattern: '{THREE_TO_ONE}'}}\n")

@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lm.errors import UserError
 from lm.training.data import (
     DataConfig,
     TokenDataModule,
@@ -17,6 +16,7 @@ from lm.training.data import (
     ValidationWindows,
     count_windows,
 )
+from lm.util.errors import UserError
 
 SEQ = 64
 
@@ -91,8 +91,8 @@ def test_next_epoch_uses_a_new_permutation(indexed):
     epoch0 = [windows.window(p)[1] for p in range(n)]
     epoch1 = [windows.window(p)[1] for p in range(n, 2 * n)]
     assert sorted(epoch1) == list(range(n)) and epoch1 != epoch0
-    # A single source keeps the order it always had (DESIGN.md: seeded by (seed, epoch)), so an older checkpoint
-    # resumes onto the same windows.
+    # A single source keeps the order it always had (docs/design.md, "Data": seeded by (seed, epoch)), so an older
+    # checkpoint resumes onto the same windows.
     assert epoch0 == np.random.default_rng([7, 0]).permutation(n).tolist()
     assert epoch1 == np.random.default_rng([7, 1]).permutation(n).tolist()
 

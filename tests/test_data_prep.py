@@ -16,7 +16,7 @@ from lm.data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
 from lm.data_prep.shards import DTYPES, TAIL, WHOLE, is_validation, sha256_file, token_dtype, write_splits
 from lm.data_prep.sources import decode, iter_documents
 from lm.data_prep.tokenizer import separator
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 VOCAB = 300  # tiny: 256 bytes + separator + a few merges keeps training instant
 

@@ -1,7 +1,7 @@
 """`lm demo` end to end (shortened): bundled corpus -> shards -> training -> evaluation -> sample; its console: the
 summary names where each file went, with no raw JSON and no library banners around it."""
 
-from lm.demo import demo
+from lm.cli.demo import demo
 
 NOISE = ["GPU available", "TPU available", "💡 Tip", "litlogger", "LeafSpec", "Trainer.fit` stopped",
          "Setting accelerator to CPU"]
@@ -35,7 +35,7 @@ def test_demo_runs_end_to_end_and_beats_the_unigram_bar(tmp_path, capfd, one_thr
 
 
 def test_demo_ends_by_pointing_to_the_comparison(capsys):
-    from lm.demo import print_summary
+    from lm.cli.demo import print_summary
 
     summary = {"mixer": "attention", "steps": 1, "tokens": 8, "val_ppl": 2.0, "unigram_ppl": 3.0, "tokens_per_s": None,
                "wall_s": 1.0, "run_dir": "r", "data": "r/data", "checkpoint": "c.ckpt", "eval": "r/eval/e",

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command
 
-from lm.errors import WRITE_FAILED_EXIT_CODE
 from lm.training.checkpoint import _disk_refuses
 from lm.training.consolidate import consolidate
+from lm.util.errors import WRITE_FAILED_EXIT_CODE
 
 FIRST, FULL = "step=00000002.ckpt", "step=00000004.ckpt"
 

@@ -287,8 +287,8 @@ def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixtur
 
 
 def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monkeypatch):
-    from lm.errors import UserError
     from lm.eval.run_harness import harness as run_harness
+    from lm.util.errors import UserError
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -303,7 +303,7 @@ def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monke
 def test_based_in_context_tasks_put_the_passage_before_the_question_and_score_containment():
     import importlib.util
 
-    from lm.resources import shipped
+    from lm.util.resources import shipped
 
     # lm-eval loads a task folder's utils.py by path (`!function utils.doc_to_text`), and so does this test.
     spec = importlib.util.spec_from_file_location("based_recall_utils", shipped("eval/tasks/based_recall/utils.py"))

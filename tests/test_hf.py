@@ -272,10 +272,10 @@ def test_lm_generate_reads_the_hf_directory_and_bad_ones_are_one_line(exported, 
 @pytest.mark.parametrize("mask", [0o022, 0o077], ids=["umask-022", "umask-077"])
 def test_exported_files_take_the_users_umask(originals, kjv_data, tmp_path, mask):
     """safetensors writes model.safetensors through a temporary file of mode 0600: every file of both export formats
-    (and a result JSON of lm.output) has the mode that open() gives under the user's umask, 0644 under 022 and 0600
+    (and a result JSON of lm.util.output) has the mode that open() gives under the user's umask, 0644 under 022 and 0600
     (not wider) under 077."""
     from lm.export import save_pretrained
-    from lm.output import write_json
+    from lm.util.output import write_json
 
     model, tokenizer = originals["attention"], Path(kjv_data) / "tokenizer.json"
     previous = os.umask(mask)

@@ -5,7 +5,7 @@ datasets cache, any working directory). tests/wheel_check.sh runs it from the in
 import importlib.util
 import json
 
-from lm.resources import shipped
+from lm.util.resources import shipped
 
 FOLDER = shipped("eval/tasks/kjv_cloze")
 

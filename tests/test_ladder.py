@@ -22,8 +22,8 @@ from lm.accounting.memory import largest_micro_batch
 from lm.cli import main
 from lm.compare.ladder import ladder
 from lm.compare.lr_transfer import best_lr, fit_rule
-from lm.errors import UserError
 from lm.model import LMConfig
+from lm.util.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN, BATCH = 32, 4

@@ -1,9 +1,11 @@
 """The structure drawn from imports, over the whole of lm/: every import (at the top of a module or inside a function)
 points to the same layer or one below it, and no modules import each other in a circle.
 
-Layers, lowest first (DESIGN.md, "Layout"): the foundation (errors, shipped files, output helpers) -> ops -> mixers ->
-model -> accounting -> data_prep -> training -> generate, export, hf -> eval -> slurm -> compare -> bench ->
-research -> cli, train_command, demo, startup. A module of lm/ that no layer names fails too, so a new file has to take its place."""
+Layers, lowest first (docs/design.md, "Layers"): the shared helpers (lm.util: errors, shipped files, output, plots,
+workers, the table of commands) -> ops -> mixers -> model -> accounting -> data_prep -> training -> generate, export, hf
+-> eval -> slurm -> compare -> bench -> research -> the command line (lm.cli) and the start-up hook. A module of lm/
+that no layer names fails too, so a new file has to take its place; lm's top level holds only the modules that stand
+alone (the backbone, export, generation, the start-up hook)."""
 
 import ast
 from pathlib import Path
@@ -12,8 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
-    ("lm", "lm.errors", "lm.config_errors", "lm.resources", "lm.output", "lm.plotting", "lm.workers",
-     "lm.report_section", "lm.commands"),
+    ("lm", "lm.util"),
     ("lm.ops",),
     ("lm.mixers",),
     ("lm.model",),
@@ -26,8 +27,9 @@ LAYERS = [
     ("lm.compare",),
     ("lm.bench",),
     ("lm.research",),
-    ("lm.cli", "lm.train_command", "lm.demo", "lm.startup"),
+    ("lm.cli", "lm.startup"),
 ]
+TOP_LEVEL = {"__init__", "model", "export", "generate", "startup"}  # the modules that stand alone at lm/'s top
 
 
 def module_name(path: Path) -> str:
@@ -76,6 +78,12 @@ GRAPH = {module: imported_modules(module) for module in MODULES}
 def test_every_module_has_a_layer():
     for module in MODULES:
         layer_of(module)
+
+
+def test_the_top_level_holds_only_what_stands_alone():
+    """Loose files at lm/'s top level are the backbone, export, generation and the start-up hook; the command line is
+    lm.cli, the shared helpers lm.util, context parallelism lm.mixers.context_parallel."""
+    assert {path.stem for path in (ROOT / "lm").glob("*.py")} == TOP_LEVEL
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

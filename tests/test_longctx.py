@@ -8,11 +8,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from lm.errors import UserError
 from lm.eval.longctx.grid import longctx
 from lm.eval.longctx.probes import INTRO, PROBES, make_example, score
 from lm.export import save_pretrained
 from lm.model import LanguageModel, LMConfig
+from lm.util.errors import UserError
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,8 @@ def test_mesa_ablation_without_its_settings_file_is_one_line(tmp_path, capsys):
 def test_the_shipped_settings_name_valid_variants():
     """Every variant of configs/research/mesa_ablation.yaml is a registered mixer with options it accepts, and three
     seeds or more (the spread between seeds is what the ablation reports)."""
-    from lm.research.mesa_ablation import load_variants
     from lm.mixers import MIXERS
+    from lm.research.mesa_ablation import load_variants
 
     variants, seeds = load_variants()
     assert len(seeds) >= 3 and "gated_deltanet" in variants

@@ -1,5 +1,5 @@
-"""The mixer contract (DESIGN.md): one call == the sequence split anywhere with the state carried ==
-one token at a time. Checked in float64 for every registered mixer."""
+"""The mixer contract (docs/design.md, "Mixer contract"): one call == the sequence split anywhere with the state carried
+== one token at a time. Checked in float64 for every registered mixer."""
 
 import pytest
 import torch

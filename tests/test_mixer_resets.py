@@ -1,5 +1,5 @@
-"""`reset` through every registered mixer and the model (packed documents, DESIGN.md's mixer contract): a packed row
-with resets computes what each of its documents computes alone, the first continuing a carried state (recurrent
+"""`reset` through every registered mixer and the model (packed documents, docs/design.md, "Mixer contract"): a packed
+row with resets computes what each of its documents computes alone, the first continuing a carried state (recurrent
 state, conv buffers, KV cache), in float64; in one call and token by token."""
 
 import dataclasses

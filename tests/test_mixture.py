@@ -19,11 +19,11 @@ from torch.utils.data import DataLoader
 
 from lm.cli import main
 from lm.data_prep.prepare import prepare
-from lm.errors import UserError
 from lm.training.config import parse_run_config
 from lm.training.data import DataConfig, TokenDataModule, TokenStream, TrainWindows, ValidationWindows
 from lm.training.mixture import PERIOD, MixtureSchedule
 from lm.training.train import train
+from lm.util.errors import UserError
 
 SEQ = 32
 SLIMPAJAMA = [0.522, 0.267, 0.052, 0.042, 0.046, 0.038, 0.033]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lm.errors import UserError
 from lm.model import LanguageModel, LMConfig, sample_next
+from lm.util.errors import UserError
 
 
 def tiny(**overrides) -> LanguageModel:

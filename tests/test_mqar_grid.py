@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import lm.eval.mqar_grid as grid
-from lm.errors import UserError
 from lm.eval.mqar import MQARTask, mqar_batch
 from lm.mixers import MIXERS
-from lm.report_section import read_section
+from lm.util.errors import UserError
+from lm.util.report_section import read_section
 
 ONE = sorted(MIXERS)[:1]  # one registered mixer, whichever: the grid's machinery is what is tested here
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.errors import UserError
 from lm.mixers.attention import Attention
 from lm.training.callbacks.rank_monitor import effective_rank, head_ranks, product_core
 from lm.training.config import parse_run_config
 from lm.training.train import train
+from lm.util.errors import UserError
 
 
 def orthonormal(n: int, k: int, generator: torch.Generator) -> torch.Tensor:

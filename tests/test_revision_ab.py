@@ -2,9 +2,9 @@
 
 import pytest
 
-from lm.research.revision_ab import op_at_revision, revision_ab
-from lm.errors import UserError
 from lm.ops import delta_rule
+from lm.research.revision_ab import op_at_revision, revision_ab
+from lm.util.errors import UserError
 
 
 def test_op_at_head_is_read_from_git_and_matches_the_working_tree(capsys):

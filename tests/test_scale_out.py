@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from strategy_runs import ONE_PROCESS, STRATEGIES, base_config, environment, lm_command, train
 
 from lm.cli import main
-from lm.errors import UserError
 from lm.model import LanguageModel
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.checkpoint import checkpoint_problem, step_checkpoints
 from lm.training.stop_request import STOPPED_EXIT_CODE
+from lm.util.errors import UserError
 
 # The continuations from a run's step-2 checkpoint: name -> (the run, the flags of the launch that continues it).
 RESUMES = {**{strategy: (strategy, flags) for strategy, flags in STRATEGIES.items()},

@@ -21,7 +21,7 @@ from lm.compare.scaling_fit import (
     interval,
     predict_thetas,
 )
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 E, A, ALPHA = 1.8, 1000.0, 0.2  # L from about 5.8 at 1e12 FLOPs to 2.4 at 1e16, like small language models
 SIGMA = 0.01  # run-to-run noise of a final loss, multiplicative

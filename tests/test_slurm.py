@@ -23,11 +23,11 @@ import yaml
 from strategy_runs import STRATEGIES as LOCAL_STRATEGIES
 
 from lm.cli import main
-from lm.errors import UserError
 from lm.slurm.submit import submit_from_args, sweep_runs
 from lm.training.checkpoint import newest_checkpoint
 from lm.training.launch_guard import LOCK_NAME, check_slurm_launch
 from lm.training.stop_request import STOPPED_EXIT_CODE
+from lm.util.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "slurm" / "local_cluster.sh"

@@ -352,8 +352,8 @@ def test_perplexity_by_position_and_generation(straight, capsys):
 
 
 def test_perplexity_at_longer_lengths_and_against_a_reference(straight, tmp_path):
-    from lm.errors import UserError
     from lm.eval.ppl import evaluate_ppl
+    from lm.util.errors import UserError
 
     result = evaluate_ppl(str(straight), multiples=[1, 2, 4], max_windows=8, out=str(tmp_path / "own"))
     assert sorted(result["ppl_by_length"]) == [64, 128, 256] and result["seq_len"] == 64

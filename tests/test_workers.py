@@ -1,6 +1,6 @@
-"""lm.workers.run_jobs: results in the jobs' order whatever order they end in, each worker's threads set, each job's
-output in its log, and a failure that names its job, in worker processes and in this one. A stop signal to the process
-stops its jobs and starts no other: in workers, here, and for a real `lm compare ladder` process, whose stopped
+"""lm.util.workers.run_jobs: results in the jobs' order whatever order they end in, each worker's threads set, each
+job's output in its log, and a failure that names its job, in worker processes and in this one. A stop signal to the
+process stops its jobs and starts no other: in workers, here, and for a real `lm compare ladder` process, whose stopped
 training runs checkpoint and continue when it runs again."""
 
 import multiprocessing
@@ -18,10 +18,10 @@ import torch
 import yaml
 
 from lm.cli import main
-from lm.errors import UserError
 from lm.training.checkpoint import newest_checkpoint
 from lm.training.stop_request import STOPPED_EXIT_CODE
-from lm.workers import Stopped, run_jobs
+from lm.util.errors import UserError
+from lm.util.workers import Stopped, run_jobs
 
 
 def report(value: int, after: Path | None = None, then: Path | None = None) -> tuple:
@@ -98,6 +98,7 @@ def signal_this_process_once(paths: list[Path], sig: int = signal.SIGTERM) -> th
 
 def test_a_stop_signal_ends_the_workers_jobs_and_starts_no_other(tmp_path):
     jobs = {name: partial(wait_for, tmp_path / f"{name} started", tmp_path / "never") for name in ("a", "b", "c")}
+    before = signal.getsignal(signal.SIGTERM)  # what an earlier test in this process left (Lightning's, say)
     start = time.monotonic()
     sender = signal_this_process_once([tmp_path / "a started", tmp_path / "b started"])
     with pytest.raises(Stopped, match=r"^stopped on request \(SIGTERM\): 2 running job\(s\) stopped \((a, b|b, a)\), "
@@ -106,17 +107,18 @@ def test_a_stop_signal_ends_the_workers_jobs_and_starts_no_other(tmp_path):
     sender.join()
     assert time.monotonic() - start < 60  # not the jobs' 120 s
     assert not (tmp_path / "c started").exists() and multiprocessing.active_children() == []
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process's own handling is back
+    assert signal.getsignal(signal.SIGTERM) is before  # this process's own handling is back
 
 
 def test_a_stop_signal_ends_the_job_running_here_and_starts_no_other(tmp_path):
     jobs = {name: partial(wait_for, tmp_path / f"{name} started", tmp_path / "never") for name in ("a", "b")}
+    before = signal.getsignal(signal.SIGINT)
     sender = signal_this_process_once([tmp_path / "a started"], signal.SIGINT)
     with pytest.raises(Stopped, match=r"^stopped on request \(SIGINT\): 1 running job\(s\) stopped \(a\), 1 not "):
         run_jobs(jobs, workers=1)
     sender.join()
     assert not (tmp_path / "b started").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def children(pid: int) -> list[int]:

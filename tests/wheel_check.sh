@@ -100,7 +100,7 @@ allowed = lambda t: t == "lm/" or t == "lm_startup.pth" or (t.startswith("lm-") 
 extra = sorted(t for t in top if not allowed(t))
 problems = [f"unexpected top-level entries: {', '.join(extra)}"] if extra else []
 problems += [f"missing top-level {t}" for t in ("lm/", "lm_startup.pth") if t not in top]
-needed = ["lm/__init__.py", "lm/cli.py", "lm/eval/harness.py", "lm/bench/__init__.py", "lm/data_prep/prepare.py",
+needed = ["lm/__init__.py", "lm/cli/__init__.py", "lm/eval/harness.py", "lm/bench/__init__.py", "lm/data_prep/prepare.py",
           "lm/slurm/submit.py", "lm/_shipped/configs/demo.yaml", "lm/_shipped/configs/hawk_mesa/145m.yaml",
           "lm/_shipped/eval/suites/standard.yaml", "lm/_shipped/eval/tasks/kjv_cloze/kjv_cloze.yaml",
           "lm/_shipped/eval/tasks/kjv_cloze/kjv_cloze.jsonl", "lm/_shipped/eval/tasks/based_recall/utils.py",
@@ -140,7 +140,7 @@ check_imports() {
             || fail "\`import $name\` failed, but not as a missing module: $out"
     done
     as_user python -c "import lm.eval.harness, lm.eval.run_harness, lm.bench, lm.data_prep.prepare, lm.slurm.submit, \
-lm.compare.paper_sizes, lm.resources; from lm.resources import shipped; assert shipped('configs/demo.yaml').is_file()"
+lm.compare.paper_sizes, lm.util.resources; from lm.util.resources import shipped; assert shipped('configs/demo.yaml').is_file()"
 }
 
 run_demo() {
@@ -150,7 +150,7 @@ run_demo() {
     as_user python - <<'EOF'
 import yaml
 
-from lm.resources import shipped
+from lm.util.resources import shipped
 
 recipe = yaml.safe_load(shipped("configs/demo.yaml").read_text())
 recipe["model"].update(vocab_size=512, d_model=64, n_layers=2, n_heads=2, head_dim=32, max_seq_len=64)

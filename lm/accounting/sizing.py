@@ -4,8 +4,8 @@ whole layer patterns."""
 from dataclasses import replace
 
 from lm.accounting.flops import param_count
-from lm.errors import UserError
 from lm.model import LMConfig
+from lm.util.errors import UserError
 
 
 def whole_patterns(n_layers: int, pattern_length: int) -> int:

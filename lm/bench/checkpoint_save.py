@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lm.bench.results import print_and_save
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 WRITERS = ("lm", "lightning")
 

@@ -22,11 +22,11 @@ import torch._dynamo
 from lm.bench.results import print_and_save
 from lm.bench.timing import best_interleaved
 from lm.bench.train_speed import device_name, packed_windows, sync
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.output import write_json
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 
 def graph_breaks(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, list[str]]:

@@ -23,11 +23,11 @@ import torch.multiprocessing as mp
 from lm.bench.memory import allocated_peak_mib
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.context_parallel import check_layout, join_context_group
 from lm.model import LanguageModel, LMConfig
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
 
 
 def free_port() -> int:

@@ -30,9 +30,9 @@ from lm.data_prep.prepare import prepare
 from lm.data_prep.shards import load_manifest
 from lm.data_prep.sources import iter_documents
 from lm.data_prep.tokenizer import load_tokenizer, separator
-from lm.errors import UserError
 from lm.model import LMConfig
 from lm.training.data import DataConfig, TokenDataModule
+from lm.util.errors import UserError
 
 SLIMPAJAMA_WEIGHTS = (0.522, 0.267, 0.052, 0.042, 0.046, 0.038, 0.033)  # configs/data/slimpajama.yaml
 

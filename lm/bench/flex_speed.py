@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from lm.bench.timing import best_interleaved
 from lm.mixers.flex_masks import attention_block_mask, attention_mask_mod, flex_attend
-from lm.output import write_json
+from lm.util.output import write_json
 
 
 def mask_for(spec: str, T: int) -> tuple[int | None, torch.Tensor | None]:

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from lm.bench.train_speed import device_name
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.output import write_json
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 
 def greedy_seconds(generate, repeats: int) -> float:

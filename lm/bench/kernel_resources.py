@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from lm.ops import mesa_triton
-from lm.output import write_json
+from lm.util.output import write_json
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SM_SHARED_BYTES = 227 * 1024

@@ -17,10 +17,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
 
 CPU_DEVICES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
 

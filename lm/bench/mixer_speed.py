@@ -19,9 +19,9 @@ import torch
 from lm.bench.memory import allocated_peak_mib
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.ops.call import OpCall
+from lm.util.errors import UserError
 
 # Rows besides a mixer's default: a label -> the options that differ (none for a mixer not listed). Mesa: fewer CG
 # steps than its 30, and 30 that stop at a tolerance.

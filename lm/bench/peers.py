@@ -37,11 +37,11 @@ from lm.bench.mixer_speed import forward_backward, op_inputs
 from lm.bench.results import print_and_save
 from lm.bench.timing import best_interleaved
 from lm.bench.train_speed import device_name
-from lm.errors import UserError
 from lm.mixers import MLSTM
 from lm.model import LanguageModel, LMConfig
 from lm.ops import mlstm
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
 
 PEERS_INSTALL = 'pip install --no-deps "litgpt==0.5.13" "mlstm_kernels==2.0.6" einops'
 

@@ -15,12 +15,12 @@ import yaml
 
 from lm.accounting.memory import STRATEGIES, micro_batch_fits, plan_memory
 from lm.bench.memory import tracked_peak_bytes
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.context_parallel import check_layout
 from lm.model import LanguageModel, LMConfig
-from lm.output import write_json
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 MIB = 2**20
 

@@ -1,8 +1,8 @@
-"""A benchmark's result: printed as JSON, and written to --json_out when given (atomically, as lm.output does)."""
+"""A benchmark's result: printed as JSON, and written to --json_out when given (atomically, as lm.util.output does)."""
 
 import json
 
-from lm.output import write_json
+from lm.util.output import write_json
 
 
 def print_and_save(result, json_out: str | None = None) -> None:

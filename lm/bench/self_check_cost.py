@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from lm.bench.results import print_and_save
-from lm.errors import UserError
 from lm.ops import self_check
 from lm.ops.mesa import mesa
+from lm.util.errors import UserError
 
 
 def measure(K: int = 16, T: int = 64, chunk: int = 16, repeats: int = 3, device: str | None = None) -> dict:

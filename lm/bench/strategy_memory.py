@@ -85,7 +85,7 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
         out: Also write the rows as JSON here.
     """
     from lm.data_prep.shards import load_manifest
-    from lm.errors import UserError
+    from lm.util.errors import UserError
 
     vocab = load_manifest(data, verify=False)["tokenizer"]["vocab_size"]
     if vocab > VOCAB:
@@ -113,7 +113,7 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
         rows.append({"strategy": name, "bytes_per_rank": [r["bytes"] for r in ranks]})
     from lm.accounting.flops import param_count
     from lm.model import LMConfig
-    from lm.output import write_json
+    from lm.util.output import write_json
 
     params = param_count(LMConfig(vocab_size=VOCAB, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64,
                                   head_dim=64, max_seq_len=64))

@@ -16,11 +16,11 @@ import torch
 
 from lm.accounting.flops import flops_spent_per_token
 from lm.bench.results import print_and_save
-from lm.errors import UserError
 from lm.model import LanguageModel, LMConfig
-from lm.output import write_json
 from lm.training.config import parse_run_config
 from lm.training.module import next_token_loss
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 
 def sync(device: torch.device):

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from lm.errors import UserError
-from lm.output import write_json
-from lm.workers import run_jobs
+from lm.util.errors import UserError
+from lm.util.output import write_json
+from lm.util.workers import run_jobs
 
 # Each mixer trains at its LRS entry (a hybrid at its first mixer's), one run each, not swept: configs/demo.yaml's
 # 3e-3 for attention, SWA and mLSTM, and a little more (DEFAULT_LR) for the others and for a mixer not listed, on the
@@ -83,7 +83,7 @@ def icl_job(mixers: list[str], steps: int | None, out: Path) -> dict:
 
 
 def progress(command: str):
-    """The `done` of lm.workers.run_jobs for training jobs: a line on stderr as each ends, headed by `command`."""
+    """The `done` of lm.util.workers.run_jobs for training jobs: a line on stderr as each ends, headed by `command`."""
     def done(name: str, result: dict) -> None:
         ppl = f", validation ppl {result['ppl']:.2f}" if "ppl" in result else ""
         print(f"{command}: {name} done in {result['seconds']:.0f} s{ppl}", file=sys.stderr)

@@ -21,9 +21,9 @@ import numpy as np
 import yaml
 
 from lm.compare.demo import base_config, check_out_and_data, demo_lr, prepared_data, progress, train_and_evaluate
-from lm.errors import UserError
-from lm.output import write_json
-from lm.workers import run_jobs
+from lm.util.errors import UserError
+from lm.util.output import write_json
+from lm.util.workers import run_jobs
 
 SETTINGS = ("carry", "reset")  # data.reset_at_documents false / true
 

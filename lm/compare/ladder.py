@@ -51,9 +51,9 @@ from lm.compare.ladder_plan import (
 )
 from lm.compare.lr_transfer import LrRule, best_lr, fit_rule, widening
 from lm.compare.plan import load_base, run_config, sequences_per_step
-from lm.errors import Diverged, UserError
-from lm.output import write_json
-from lm.workers import Stopped, run_jobs
+from lm.util.errors import Diverged, UserError
+from lm.util.output import write_json
+from lm.util.workers import Stopped, run_jobs
 
 POLL_SECONDS = 2.0
 DIVERGED = "diverged"  # a file in a run directory whose training diverged: it ended, with no final loss
@@ -227,7 +227,7 @@ def run_locally(jobs: dict, out: Path, workers: int, done=None) -> None:
 def train_run(config: str) -> dict:
     """One local job: `lm train` on a ladder config (resuming a run an earlier call left unfinished); a run that
     diverges ends with the DIVERGED file, not an error (a high lr of the sweep may diverge). A run stopped on request
-    (its checkpoint written) stops the ladder (lm.workers.Stopped); a rerun continues it."""
+    (its checkpoint written) stops the ladder (lm.util.workers.Stopped); a rerun continues it."""
     start = time.perf_counter()
     from lm.training.config import parse_run_config
     from lm.training.stop_request import StoppedForRequeue
@@ -244,7 +244,7 @@ def train_run(config: str) -> dict:
 
 
 def mark_diverged(out: Path, runs: list[Run]) -> None:
-    """A SLURM task that diverged exits 1 and says so in its log (lm.errors.Diverged's message from
+    """A SLURM task that diverged exits 1 and says so in its log (lm.util.errors.Diverged's message from
     lm/training/train.py): mark its run as ended."""
     for run in runs:
         logs = sorted((run_dir(out, run) / "slurm").glob("job-*.err"))
@@ -293,7 +293,7 @@ def execute(runs: list[Run], out: Path, stage: str, where: str, workers: int, sl
 
 def probe_arguments(command: list[str], checkpoint: str, out: str):
     """(the `lm eval` function, its parsed arguments) of a probe on one checkpoint."""
-    from lm.commands import function_parser, load_command
+    from lm.util.commands import function_parser, load_command
 
     fn = load_command(f"eval {command[0]}")
     namespace = function_parser(fn, f"lm eval {command[0]}").parse_args([*command[1:], "--checkpoint", checkpoint,
@@ -313,7 +313,7 @@ def probe_run(command: list[str], checkpoint: str, out: str, marker: str) -> dic
 
 def check_probes(spec: LadderSpec) -> None:
     """Each probe names an `lm eval` command that takes --checkpoint and --out, with options it knows."""
-    from lm.commands import COMMANDS
+    from lm.util.commands import COMMANDS
 
     for command in spec.probes:
         if f"eval {command[0]}" not in COMMANDS:

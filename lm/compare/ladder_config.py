@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from lm.errors import UserError
-from lm.resources import shipped
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 CHOSEN = "chosen"  # ARCH@OPTION=chosen: the value the ladder's `choose:` stage measures
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from lm.compare.ladder_config import LadderSpec
 from lm.compare.plan import count, matched_shapes, model_template, parse_archs, reference_shape, sci
-from lm.errors import UserError
-from lm.output import markdown_table
+from lm.util.errors import UserError
+from lm.util.output import markdown_table
 
 REFERENCES: dict[tuple[str, float], object] = {}  # (the template, a rung) -> its attention reference shape
 

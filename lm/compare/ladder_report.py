@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from lm.compare.plan import count, sci
-from lm.output import markdown_table, write_json
-from lm.plotting import pyplot, save
-from lm.report_section import write_section
+from lm.util.output import markdown_table, write_json
+from lm.util.plotting import pyplot, save
+from lm.util.report_section import write_section
 
 DEFAULT_TARGET_FACTOR = 100.0  # without target_compute: predict at 100x the ladder's largest compute
 SEED = 0  # of the bootstrap

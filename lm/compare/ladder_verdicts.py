@@ -1,4 +1,4 @@
-"""What a ladder may say about two architectures (DESIGN: "What a comparison may claim").
+"""What a ladder may say about two architectures (docs/design.md, "What a comparison may claim").
 
 Inside the measured range, where both have runs: each one's mean final loss at a compute C is interpolated linearly
 in log C between its own two rungs around C, and the gap in nats is read with its seed interval (Student's t, the

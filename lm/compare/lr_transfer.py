@@ -6,7 +6,7 @@ standard error of its slope. A slope given in the ladder file is kept, and only 
 import math
 from dataclasses import dataclass
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 
 def best_lr(losses: dict[float, float]) -> tuple[float, str]:

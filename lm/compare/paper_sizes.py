@@ -17,7 +17,7 @@ from lm.accounting.memory import micro_batch_fits
 from lm.accounting.sizing import match_params_by_mlp, whole_patterns
 from lm.mixers import MIXERS
 from lm.model import LMConfig
-from lm.resources import shipped
+from lm.util.resources import shipped
 
 HERE = shipped("configs")
 SIZES = ("145m", "400m", "1b")

@@ -56,13 +56,13 @@ from typing import Literal
 import yaml
 
 from lm.accounting.flops import flops_notes, param_count, train_flops_per_token
-from lm.config_errors import load_yaml
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.context_parallel import check_layout
 from lm.mixers.protocol import at_length
 from lm.model import LMConfig
-from lm.output import write_json
+from lm.util.config_errors import load_yaml
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 TOLERANCE = 0.02
 TOKENS_PER_PARAM = 20  # Chinchilla

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from lm.compare.lr_grid import ArchGroup
 from lm.compare.run_results import RunResults
-from lm.plotting import pyplot, save
+from lm.util.plotting import pyplot, save
 
 
 def lr_label(lr: float | None) -> str:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from lm.compare.lr_grid import ArchGroup, group_runs
 from lm.compare.run_results import RunResults, check_run_dir, read_run
-from lm.config_errors import error_line
-from lm.errors import UserError
-from lm.output import markdown_table
-from lm.report_section import read_section
+from lm.util.config_errors import error_line
+from lm.util.errors import UserError
+from lm.util.output import markdown_table
+from lm.util.report_section import read_section
 
 NOTES = [
     "arch: the layer pattern (hybrids) or the mixer; runs of one arch that differ in more than lr and seed are "

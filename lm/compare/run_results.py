@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from lm.errors import UserError
 from lm.training.batch import global_batch_of
+from lm.util.errors import UserError
 
 # What lm.training.metrics_log writes into each launch's hparams.yaml: its rows count the optimizer steps done. The
 # logs of older lm lack it; their rows were Lightning's count, one less (step s's loss and the validation after it).

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 ITERATIONS = 100
 START_EXPONENTS = (0.1, 0.3, 0.6)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lm.errors import UserError
-from lm.output import write_json
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 from .shards import DTYPES
 

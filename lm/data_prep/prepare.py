@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lm.errors import UserError
-from lm.resources import shipped
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 from . import parts
 from .dataset import (

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from lm.config_errors import load_yaml
-from lm.errors import UserError
-from lm.output import write_atomically
-from lm.resources import shipped
+from lm.util.config_errors import load_yaml
+from lm.util.errors import UserError
+from lm.util.output import write_atomically
+from lm.util.resources import shipped
 
 MIXTURE = "mixture.yaml"
 KEYS = {"field", "tokenizer", "inputs", "sources"}

@@ -11,7 +11,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 from .sources import Document, Source
 

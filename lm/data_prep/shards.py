@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 FORMAT = "lm-shards/1"
 MANIFEST = "manifest.json"

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 EXTENSIONS = (".txt", ".txt.gz", ".txt.zst", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 Document = tuple[str, int]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 from .shards import sha256_file
 from .sources import reason

@@ -17,8 +17,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
 from lm.data_prep.tokenizer import separator
-from lm.errors import UserError
 from lm.training.checkpoint import load_with_tokenizer
+from lm.util.errors import UserError
 
 # What lm_eval's command line passes when --device is not given (lm_eval.config.evaluate_config.EvaluatorConfig).
 LM_EVAL_CLI_DEFAULT_DEVICE = "cuda:0"

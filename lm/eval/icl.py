@@ -35,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.protocol import at_length
 from lm.model import Block, LMConfig
-from lm.output import markdown_table, write_json
-from lm.plotting import pyplot, save
-from lm.report_section import write_section
-from lm.workers import run_jobs
+from lm.util.errors import UserError
+from lm.util.output import markdown_table, write_json
+from lm.util.plotting import pyplot, save
+from lm.util.report_section import write_section
+from lm.util.workers import run_jobs
 
 Token = Literal["paired", "shifted"]
 BlockKind = Literal["minimal", "lm"]

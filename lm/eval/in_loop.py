@@ -14,8 +14,8 @@ from unittest import mock
 import lightning as L
 import torch
 
-from lm.errors import UserError
 from lm.training.config import InLoopEvalConfig, RunConfig
+from lm.util.errors import UserError
 
 
 def write_probe_tasks(cfg: InLoopEvalConfig, tokenizer_file: Path, out_dir: Path) -> list[str]:

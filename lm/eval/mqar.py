@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.mixers.protocol import at_length
 from lm.model import LanguageModel, LMConfig
-from lm.output import write_json
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 # What `lm eval mqar`'s default task (vocab 32, 4 pairs, 2 layers, d_model 64) gives each mixer, where it is not the
 # default for a mixer not listed here: training steps (each a minute or less on 2 CPU cores), peak learning rate, and

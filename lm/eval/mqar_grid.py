@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.errors import UserError
 from lm.eval.mqar import MQARTask, mqar_batch, options_for, state_floats_per_layer
 from lm.mixers import MIXERS
 from lm.mixers.layers import ShortConv
 from lm.mixers.protocol import at_length
 from lm.model import LanguageModel, LMConfig
-from lm.output import markdown_table, write_atomically, write_json
-from lm.plotting import pyplot, save
-from lm.report_section import write_section
-from lm.workers import run_jobs
+from lm.util.errors import UserError
+from lm.util.output import markdown_table, write_atomically, write_json
+from lm.util.plotting import pyplot, save
+from lm.util.report_section import write_section
+from lm.util.workers import run_jobs
 
 # The tests' grid: tiny sizes, a second or so a cell. Batches of 16 rather than 8: scoring 2048 queries takes half
 # the forward passes, and a cell's time goes down by a quarter.

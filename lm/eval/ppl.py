@@ -24,10 +24,8 @@ import numpy as np
 import torch
 import yaml
 
-from lm.errors import UserError
 from lm.eval.wandb_log import log_to_run
 from lm.mixers.layers import steps_since_reset
-from lm.output import write_json
 from lm.training.checkpoint import load_model, run_dir_of
 from lm.training.data import (
     DataConfig,
@@ -38,6 +36,8 @@ from lm.training.data import (
     source_name,
 )
 from lm.training.mixture import MixtureSchedule
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 
 def positions_in_documents(inputs: torch.Tensor, separator: int | None) -> torch.Tensor:

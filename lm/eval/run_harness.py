@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from lm.errors import UserError
-from lm.resources import shipped
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 SUITES = shipped("eval/suites")
 TASKS = shipped("eval/tasks")  # lm's own task YAMLs (the Based in-context recall tasks); always included

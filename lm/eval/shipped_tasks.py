@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from lm.resources import shipped
+from lm.util.resources import shipped
 
 TASKS = shipped("eval/tasks")
 TASK_LINE = re.compile(r"^task:\s*([\w.-]+)\s*$", re.MULTILINE)

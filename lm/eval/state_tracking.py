@@ -10,7 +10,7 @@ reaches eigenvalue -1, and products of Householder steps reach the rotations S3 
 Each model (a mixer, or a variant "mixer@option=value", e.g. "deltanet@beta_range=[0,2]") is trained on words of the
 training length, every position scored, with fresh words every step, and tested on fresh words at the training length
 and at 2x and 4x: the accuracy at the last position (the whole word's product), over `test_words` words per length.
-Each model, task and seed is one job (lm.workers), so `--workers 2` uses both cores of a CPU machine.
+Each model, task and seed is one job (lm.util.workers), so `--workers 2` uses both cores of a CPU machine.
 
 Outputs under --out: results.json (every run), state_tracking.md (the table: mean over seeds with min-max) and
 state_tracking.png.
@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lm.errors import UserError
 from lm.mixers import MIXERS, MixerOptionError
 from lm.model import LanguageModel, LMConfig
-from lm.output import markdown_table, write_json
-from lm.plotting import pyplot, save
-from lm.workers import run_jobs
+from lm.util.errors import UserError
+from lm.util.output import markdown_table, write_json
+from lm.util.plotting import pyplot, save
+from lm.util.workers import run_jobs
 
 TASKS = {"parity": 2, "s3": 3, "s5": 5}  # task -> n of the permutation group S_n (parity: S2)
 # The models of docs/state_tracking.md: the delta rules with beta in [0, 1] and in [0, 2], the Householder products of

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from lm.data_prep.tokenizer import separator
 from lm.hf.config import LMHFConfig
 from lm.model import LMConfig
-from lm.output import user_mode
+from lm.util.output import user_mode
 
 WEIGHTS, PREFIX = "model.safetensors", "model."  # LMForCausalLM holds the LanguageModel as .model
 

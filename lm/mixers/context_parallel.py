@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from lm.errors import UserError
 from lm.ops.state_transfer import TRANSFERS, carry, carry_first, first_transfer, piece_transfer
+from lm.util.errors import UserError
 
 
 def check_layout(pieces: int, seq_len: int | None = None, processes: int | None = None,

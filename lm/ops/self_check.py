@@ -1,9 +1,9 @@
-"""Fast paths check themselves (DESIGN.md): the first time a process runs a fast kernel (lm's Triton Mesa kernels,
-flash-linear-attention's, mlstm_kernels', FlexAttention's, liger-kernel's loss) on a device, for a class of calls
-whose code paths are the same (`shape_class`: the dtypes, the head sizes, resets or not...), it runs the kernel once
-against the torch code on a small seeded input, outputs and gradients, in the dtype the run trains in. If they agree
-within the bounds the GPU tests hold the kernel to (`BOUNDS`, which those tests read too), the kernel runs from then
-on; if not, `lm` says so once, with the figures, and that class of calls runs the torch code from then on.
+"""Fast paths check themselves (docs/design.md, "Op contract"): the first time a process runs a fast kernel (lm's Triton
+Mesa kernels, flash-linear-attention's, mlstm_kernels', FlexAttention's, liger-kernel's loss) on a device, for a class
+of calls whose code paths are the same (`shape_class`: the dtypes, the head sizes, resets or not...), it runs the kernel
+once against the torch code on a small seeded input, outputs and gradients, in the dtype the run trains in. If they
+agree within the bounds the GPU tests hold the kernel to (`BOUNDS`, which those tests read too), the kernel runs from
+then on; if not, `lm` says so once, with the figures, and that class of calls runs the torch code from then on.
 
 The verdict is kept per process, per (kernel, device, shape class). `LM_KERNEL_SELF_CHECK=0` skips the check (the
 fast path then runs unchecked). A check costs one small forward and backward of each side, once: `verdicts()` has

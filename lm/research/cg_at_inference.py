@@ -28,11 +28,11 @@ import torch
 import yaml
 
 from lm.accounting.flops import flops_spent_per_token
-from lm.errors import UserError
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
-from lm.output import markdown_table, write_json
-from lm.plotting import pyplot, save
+from lm.util.errors import UserError
+from lm.util.output import markdown_table, write_json
+from lm.util.plotting import pyplot, save
 
 STEPS = (0, 1, 2, 4, 8, 16, 30)
 TOLS = (1e-2, 1e-3, 1e-4)

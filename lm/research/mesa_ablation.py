@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from lm.errors import UserError
-from lm.resources import shipped
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 SETTINGS = shipped("configs/research/mesa_ablation.yaml")
 
@@ -154,7 +154,7 @@ def ablation_table(out: Path, seq_len: int, variants: dict, seeds: list[int]) ->
 def plot_nll_by_position(curves: dict, path: Path) -> None:
     """NLL by position (mean over seeds) of each setting at each lr, and its difference to the first Gated
     DeltaNet row at the same lr (else at its first lr)."""
-    from lm.plotting import pyplot, save
+    from lm.util.plotting import pyplot, save
 
     plt = pyplot()
     fig, (raw, diff) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -206,7 +206,7 @@ def mesa_ablation(out: str = "runs/mesa-ablation", params: float = 1e6, steps: i
 
     from lm.compare.demo import base_config, check_out_and_data, prepared_data, progress, train_and_evaluate
     from lm.compare.report import report
-    from lm.workers import run_jobs
+    from lm.util.workers import run_jobs
 
     variants, seeds = load_variants(Path(settings))
     unknown = sorted(set(only or []) - set(variants))

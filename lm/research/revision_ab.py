@@ -12,7 +12,7 @@ import torch
 
 from lm.bench.mixer_speed import Form, bench_mixer_names, forward_backward, op_call
 from lm.bench.timing import best_interleaved
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 ROOT = Path(__file__).resolve().parent  # inside the checkout: git finds its repository from here
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 # States of a job that has not ended (or will run again); anything else, or a forgotten job, has ended.
 LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",

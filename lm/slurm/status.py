@@ -4,9 +4,9 @@ and its newest checkpoint."""
 import csv
 from pathlib import Path
 
-from lm.errors import UserError
 from lm.slurm import scheduler
 from lm.training.checkpoint import newest_checkpoint
+from lm.util.errors import UserError
 
 
 def last_logged_step(run_dir: Path) -> int | None:

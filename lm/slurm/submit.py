@@ -22,10 +22,10 @@ import jinja2
 import yaml
 from jsonargparse import ArgumentParser
 
-from lm.config_errors import error_line, load_yaml
-from lm.errors import UserError
-from lm.resources import shipped
 from lm.slurm import scheduler
+from lm.util.config_errors import error_line, load_yaml
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 SITE_FILE_DEFAULT = "~/.config/lm/slurm.yaml"
 TEMPLATE = shipped("slurm/templates/job.sbatch.j2")
@@ -199,8 +199,8 @@ def plan_train(args: list[str], opts: SlurmOptions, stamp: str) -> PlannedRun:
 
 def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None, tasks: int | None = None) -> PlannedRun:
     """An `lm eval` command, checked as the CLI would parse it; one process (per array task with `tasks`)."""
-    from lm.commands import COMMANDS, function_parser, load_command
     from lm.training.checkpoint import run_dir_of
+    from lm.util.commands import COMMANDS, function_parser, load_command
 
     evals = [c.split()[1] for c in COMMANDS if c.startswith("eval ")]
     if not command or command[0] not in evals:
@@ -230,7 +230,7 @@ def plan_eval(command: list[str], opts: SlurmOptions, job_dir: str | None, tasks
 def plan_prepare(command: list[str], opts: SlurmOptions, tasks: int | None) -> tuple[PlannedRun, dict]:
     """An `lm prepare` command, checked as the CLI would parse it, as an array of `tasks` parts; and its arguments
     for prepare() (the plan step, run here at submission)."""
-    from lm.commands import function_parser, load_command
+    from lm.util.commands import function_parser, load_command
 
     if tasks is None or tasks < 1:
         raise UserError(f"--kind prepare needs --tasks N (at least 1), got {tasks}")

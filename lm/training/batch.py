@@ -1,7 +1,7 @@
 """Batch arithmetic: global batch = micro-batch x accumulation x world size, in sequences (and seq_len x that
 in tokens). The config names the global batch; accumulation follows from the world size, or is given and checked."""
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 
 def global_batch_of(global_batch: int | None, global_batch_tokens: int | None, seq_len: int) -> int | None:

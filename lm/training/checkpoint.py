@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lm.data_prep.shards import sha256_file
-from lm.errors import CheckpointWriteFailed, UserError
 from lm.training.data_only import require_data_only
+from lm.util.errors import CheckpointWriteFailed, UserError
 
 STEP_NAME = re.compile(r"^step=(\d+)\.ckpt$")
 CONTENTS = "lm-checkpoint.json"

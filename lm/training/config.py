@@ -5,12 +5,12 @@ from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lm.config_errors import check_config_files, error_line
-from lm.errors import UserError
 from lm.model import LMConfig
 from lm.training.data import DataConfig
 from lm.training.schedule import OptimConfig
 from lm.training.strategy import StrategyConfig
+from lm.util.config_errors import check_config_files, error_line
+from lm.util.errors import UserError
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from lm.errors import UserError
 from lm.training.data_only import load, reading_data_only, require_data_only
+from lm.util.errors import UserError
 
 PREFIX = "model."  # the LanguageModel inside LMModule
 

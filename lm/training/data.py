@@ -24,9 +24,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from lm.data_prep.shards import load_manifest, open_split
-from lm.errors import UserError
 from lm.mixers.context_parallel import layout
 from lm.training.mixture import MixtureSchedule
+from lm.util.errors import UserError
 
 
 class TokenStream:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 

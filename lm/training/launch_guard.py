@@ -15,9 +15,9 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lm.errors import UserError
 from lm.training.config import RunConfig, check_mixer_options
 from lm.training.strategy import check_strategy
+from lm.util.errors import UserError
 
 LOCK_NAME = ".lm-train.lock"
 

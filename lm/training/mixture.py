@@ -11,7 +11,7 @@ seeded order (lm.training.data) says which window that is.
 
 import numpy as np
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 PERIOD = 2**16
 

@@ -4,7 +4,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 
 @dataclass

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 
-from lm.errors import UserError
 from lm.mixers.context_parallel import check_layout
 from lm.training.checkpoint_io import stream_save
+from lm.util.errors import UserError
 
 NAMES = ("auto", "single", "ddp", "deepspeed", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")

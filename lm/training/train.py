@@ -15,7 +15,6 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lm.errors import Diverged, UserError
 from lm.mixers.context_parallel import check_layout
 from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
@@ -42,6 +41,7 @@ from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
 from lm.training.stop_request import StoppedForRequeue
 from lm.training.strategy import StrategyConfig, build_strategy
+from lm.util.errors import Diverged, UserError
 
 
 def check_compatible(config: RunConfig, manifest: dict) -> None:
@@ -230,7 +230,7 @@ def batch_plan(config: RunConfig) -> tuple[int, int, int]:
 
 def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Sequence[L.Callback] = ()) -> Path:
     """Fit the model of `config`; returns the newest checkpoint. `callbacks` are the caller's side concerns: in-loop
-    evaluation (the config's `eval` section) builds on training, so `lm train` (lm.train_command) passes it here."""
+    evaluation (the config's `eval` section) builds on training, so `lm train` (lm.cli.train) passes it here."""
     if config.eval.every and not any(getattr(c, "evaluates_in_loop", False) for c in callbacks):
         raise UserError("eval.every is set, but in-loop evaluation was not given: run `lm train`, or pass "
                         "lm.eval.in_loop.in_loop_callbacks(config)")

@@ -54,7 +54,7 @@ def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
         out: Output directory (default: RUN_DIR/eval/longctx-HAYSTACK).
         tasks_only: Only write the examples as lm-eval tasks (OUT/lm_eval); evaluate nothing.
     """
-    from lm.errors import UserError
+    from lm.util.errors import UserError
 
     # What building the examples below does not already check; all of it before the first file is written.
     if not probes or not lengths or not depths:

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset
 
 from lm.data_prep.tokenizer import separator
-from lm.errors import UserError
 from lm.eval.longctx.probes import make_example
 from lm.model import LanguageModel, LMConfig
+from lm.util.errors import UserError
 
 IGNORE = -100  # cross_entropy's ignore_index: no loss on the prompt
 

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 PROBES = ("passkey", "single", "multikey", "multivalue", "mqar", "vt")
 HAYSTACKS = ("noise", "corpus")

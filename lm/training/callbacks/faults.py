@@ -33,9 +33,9 @@ import time
 import lightning as L
 import torch
 
-from lm.errors import UserError
 from lm.training import stop_request
 from lm.training.checkpoint_io import fail_next_save
+from lm.util.errors import UserError
 
 ENV = "LM_FAULTS"
 MOMENTS = ("fit_start", "validation", "checkpoint", "train_end", "arming")

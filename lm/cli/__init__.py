@@ -1,4 +1,4 @@
-"""`lm`: the command line. The commands, their help and how each is found are lm/commands.py's table; each
+"""`lm`: the command line. The commands, their help and how each is found are lm/util/commands.py's table; each
 subcommand's options come from a function's signature and docstring (or, for `lm train`, the run config's
 dataclasses) via jsonargparse; bad input ends with one line on stderr and exit status 2."""
 
@@ -11,11 +11,20 @@ if sys.argv[1:2] == ["train"]:
 
 from collections.abc import Callable
 
-from lm.commands import OWN_ARGV, POSITIONAL, find_command, function_parser, load_command, members, usage, word_groups
-from lm.config_errors import check_config_files, error_line
-from lm.errors import WRITE_FAILED_EXIT_CODE, CheckpointWriteFailed, Diverged, UserError
 from lm.training.stop_request import STOPPED_EXIT_CODE, StoppedForRequeue
-from lm.workers import Stopped
+from lm.util.commands import (
+    OWN_ARGV,
+    POSITIONAL,
+    find_command,
+    function_parser,
+    load_command,
+    members,
+    usage,
+    word_groups,
+)
+from lm.util.config_errors import check_config_files, error_line
+from lm.util.errors import WRITE_FAILED_EXIT_CODE, CheckpointWriteFailed, Diverged, UserError
+from lm.util.workers import Stopped
 
 
 def call_with_args(fn: Callable, argv: list[str], prog: str, positional: bool = False):
@@ -63,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lm {name}: stopped on request at step {stop.args[0]} with a checkpoint; run again to resume",
                   file=sys.stderr)
         return STOPPED_EXIT_CODE
-    except Stopped as stop:  # a command's worker jobs (lm.workers), stopped with it
+    except Stopped as stop:  # a command's worker jobs (lm.util.workers), stopped with it
         print(f"lm {name}: {stop}", file=sys.stderr)
         return STOPPED_EXIT_CODE
     except CheckpointWriteFailed as err:
@@ -80,7 +89,3 @@ def main(argv: list[str] | None = None) -> int:
         if own_process and name == "train":
             stop_request.ignore()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

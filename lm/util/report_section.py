@@ -5,8 +5,8 @@ and a new probe adds its section without editing the report."""
 import json
 from pathlib import Path
 
-from lm.errors import UserError
-from lm.output import write_json
+from lm.util.errors import UserError
+from lm.util.output import write_json
 
 FILE = "section.json"
 

@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from lm.errors import UserError
-from lm.resources import shipped
+from lm.util.errors import UserError
+from lm.util.resources import shipped
 
 DEMO_CONFIG = shipped("configs/demo.yaml")
 NEXT_STEP = ("next: `lm compare demo`, the comparison: every mixer and Hawk-Mesa at matched parameters, on CPU "

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 POLL_SECONDS = 0.2  # how soon a stop request noted by the handler reaches the workers

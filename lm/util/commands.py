@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 
 class Command(NamedTuple):
@@ -32,12 +32,12 @@ GROUPS = {
 COMMANDS = {
     "prepare": Command("lm.data_prep.prepare:prepare",
                        "text files or a datasets dataset -> tokenizer + token shards", "data"),
-    "train": Command("lm.train_command:train_from_args",
+    "train": Command("lm.cli.train:train_from_args",
                      "fit a model from a YAML config (+ overrides); reruns in the same run_dir resume", "data"),
     "export": Command("lm.export:export", "a checkpoint of any strategy -> model.safetensors + config.json; "
                       "--format hf: a Hugging Face directory", "data"),
     "generate": Command("lm.generate:generate_text", "sample a continuation from a checkpoint", "data"),
-    "demo": Command("lm.demo:demo", "the embedded default: prepare the bundled corpus, train a tiny model on CPU, "
+    "demo": Command("lm.cli.demo:demo", "the embedded default: prepare the bundled corpus, train a tiny model on CPU, "
                     "evaluate; next: lm compare demo", "data"),
     "eval ppl": Command("lm.eval.ppl:evaluate_ppl",
                         "perplexity and per-position NLL of a checkpoint on validation shards", "eval"),

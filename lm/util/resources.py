@@ -6,7 +6,7 @@ editable install of it, has them at its top level, beside lm/."""
 
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # lm/
 SHIPPED = PACKAGE / "_shipped"
 ROOT = SHIPPED if SHIPPED.is_dir() else PACKAGE.parent
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from jsonargparse import ArgumentParser
 
-from lm.errors import UserError
+from lm.util.errors import UserError
 
 # Names other tools give lm's settings, each group in the order suggested: an unknown key that is one of them is
 # answered with the first of the group the parser has (in the key's own section if it has one), before any look-alike.
