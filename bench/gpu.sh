@@ -104,8 +104,8 @@ say "packages ok after $((SECONDS - START)) s"
 
 if [ "$CALL" = 1 ]; then
 # 2. GPU tests
-TESTS=(tests/test_ops_gpu.py tests/test_ops_gpu_mesa.py tests/test_ops_gpu_mlstm.py tests/test_model_gpu.py
-       tests/test_scale_out_gpu.py tests/test_flex_attention.py)
+TESTS=(tests/test_ops_gpu.py tests/test_ops_gpu_delta.py tests/test_ops_gpu_mesa.py tests/test_ops_gpu_mlstm.py
+       tests/test_model_gpu.py tests/test_scale_out_gpu.py tests/test_flex_attention.py)
 t0=$SECONDS
 # -v: each test's result as it ends, so that the outer time limit leaves a record; on the GPU machine pytest-timeout
 # (in its image) also fails a single test stuck past 150 s rather than letting it take the whole limit.
