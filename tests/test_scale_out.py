@@ -25,11 +25,11 @@ from lm.util.errors import UserError
 # The continuations from a run's step-2 checkpoint: name -> (the run, the flags of the launch that continues it).
 RESUMES = {**{strategy: (strategy, flags) for strategy, flags in STRATEGIES.items()},
            "ddp in one process": ("ddp", ONE_PROCESS), "zero2 in one process": ("zero2", ONE_PROCESS),
-           # The rest of the README's matrix: FSDP2 shards into one process (weights alone), a one-process file into
+           # The rest of the resume matrix: FSDP2 shards into one process (weights alone), a one-process file into
            # DDP(2), FSDP2 shards on another world size.
            "fsdp2 in one process": ("fsdp2", ONE_PROCESS), "single into ddp": ("single", STRATEGIES["ddp"]),
            "fsdp2 on one process": ("fsdp2", ["--strategy.name", "fsdp", "--strategy.devices", "1", *ONE_PROCESS])}
-# The continuations the README's matrix refuses, with one line each before any process starts (run in this process).
+# The continuations the resume matrix refuses, with one line each before any process starts (run in this process).
 REFUSED = {"single into fsdp2": ("single", STRATEGIES["fsdp2"], "cannot resume FSDP2"),
            "zero2 as zero3": ("zero2", STRATEGIES["zero3"], "cannot resume DeepSpeed"),
            "zero2 on one process": ("zero2", ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2",
@@ -141,7 +141,7 @@ def test_deepspeed_checkpoint_resumes_elsewhere_with_weights_alone(resumed):
 
 
 def test_the_rest_of_the_readmes_resume_matrix(runs, resumed, tmp_path, capsys, monkeypatch):
-    """As README's "Resume" says: a one-process checkpoint continues natively in DDP(2), and FSDP2 shards in FSDP2
+    """As docs/training.md says: a one-process checkpoint continues natively in DDP(2), and FSDP2 shards in FSDP2
     on one process; FSDP2 shards continue in one process with their weights and a fresh optimizer state, saying
     so; a plain checkpoint into FSDP2, and DeepSpeed shards at another stage or world size, end with one line,
     exit 2, before any step."""
