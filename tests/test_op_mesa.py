@@ -405,9 +405,9 @@ def test_model_loss_under_bf16_autocast(monkeypatch):
     """The same at the loss of a 2-layer model under autocast, per token: the solve as the model calls it is within 4x
     of the plain float32 call (the op with autocast off) from the float64 exact solve, both fed the same bf16
     projections. Measured: equal; with the matmuls left to autocast, 25-50x further."""
-    import lm.mixers.mesa as mixer_module
+    from lm.ops.call import FORMS, Forms
 
-    op = mixer_module.mesa
+    op = FORMS["mesa"].chunkwise
 
     def plain(*a, **kw):
         with torch.autocast("cpu", enabled=False):
@@ -421,7 +421,7 @@ def test_model_loss_under_bf16_autocast(monkeypatch):
     ids = torch.randint(0, 64, (2, 257), generator=torch.Generator().manual_seed(10))
     nll = {}
     for name, fn in (("as called", op), ("plain", plain), ("exact", exact)):
-        monkeypatch.setattr(mixer_module, "mesa", fn)
+        monkeypatch.setitem(FORMS, "mesa", Forms(fn, FORMS["mesa"].recurrent))  # the chunkwise form the mixer calls
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, _ = model(ids[:, :-1])
         nll[name] = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none").double()
