@@ -12,13 +12,15 @@ training length, every position scored, with fresh words every step, and tested 
 and at 2x and 4x: the accuracy at the last position (the whole word's product), over `test_words` words per length.
 Each model, task and seed is one job (lm.util.workers), so `--workers 2` uses both cores of a CPU machine.
 
-Outputs under --out: results.json (every run), state_tracking.md (the table: mean over seeds with min-max) and
+Outputs under --out: runs/TASK/MODEL-sSEED.json (each run as it ends: a rerun with the same settings trains only
+the runs missing), results.json (every run), state_tracking.md (the table: mean over seeds with min-max) and
 state_tracking.png.
 """
 
 import functools
 import itertools
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -184,6 +186,32 @@ def plot(summary: list[dict], models: list[str], tasks: list[str], multiples: tu
     save(fig, path)
 
 
+def run_file(out_dir: Path, name: str) -> Path:
+    """Where the run `name` ("task/model/sSEED") keeps its row: one file per run, its model spec made a file name."""
+    task, spec, seed = name.split("/")
+    return out_dir / "runs" / task / (re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + f"-{seed}.json")
+
+
+def shape_json(shape: dict) -> dict:
+    """The settings as they read back from JSON (tuples as lists), so that a saved run compares equal."""
+    return json.loads(json.dumps(shape))
+
+
+def finished_run(out_dir: Path, name: str, shape: dict) -> dict | None:
+    """The row of `name` saved by an earlier call with the same settings, else None (a changed setting retrains)."""
+    path = run_file(out_dir, name)
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError:  # a run cut while writing: train it again
+        return None
+    row = saved.get("run", {})
+    same = saved.get("settings") == shape_json(shape) and (row.get("task"), row.get("model"), f"s{row.get('seed')}") \
+        == tuple(name.split("/"))
+    return row if same else None
+
+
 def state_tracking(tasks: list[str] = list(TASKS), models: list[str] = DEFAULT_MODELS,  # noqa: B006
                    seeds: list[int] = [0, 1, 2], length: int = 32, steps: int = 600, batch: int = 64,  # noqa: B006
                    lr: float = 3e-3, d_model: int = 32, n_layers: int = 1, n_heads: int = 2, head_dim: int = 16,
@@ -228,14 +256,25 @@ def state_tracking(tasks: list[str] = list(TASKS), models: list[str] = DEFAULT_M
     multiples = tuple(multiples)
     shape = dict(length=length, steps=steps, batch=batch, lr=lr, d_model=d_model, n_layers=n_layers,
                  n_heads=n_heads, head_dim=head_dim, test_words=test_words, multiples=multiples)
-    jobs = {f"{task}/{spec}/s{seed}": functools.partial(train_one, task, spec, seed, **shape)
-            for task in tasks for spec in models for seed in seeds}
-    done = lambda name, row: print(f"lm eval state-tracking: {name}: " + ", ".join(  # noqa: E731
-        f"{m}x {row['accuracy'][str(m)]:.0%}" for m in multiples) + f" ({row['seconds']:.0f} s)", flush=True)
-    rows = list(run_jobs(jobs, workers, done=done).values())
-    summary = summarise(rows, multiples)
     out_dir = Path(out)
+    names = {f"{task}/{spec}/s{seed}": (task, spec, seed) for task in tasks for spec in models for seed in seeds}
+    finished = {name: row for name in names if (row := finished_run(out_dir, name, shape)) is not None}
+    if finished:
+        print(f"lm eval state-tracking: {len(finished)} of {len(names)} runs already done in {out_dir / 'runs'}",
+              flush=True)
+    jobs = {name: functools.partial(train_one, *names[name], **shape) for name in names if name not in finished}
+
+    def done(name: str, row: dict) -> None:
+        path = run_file(out_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"settings": shape_json(shape), "run": row})  # a rerun skips it
+        print(f"lm eval state-tracking: {name}: " + ", ".join(
+            f"{m}x {row['accuracy'][str(m)]:.0%}" for m in multiples) + f" ({row['seconds']:.0f} s)", flush=True)
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    trained = run_jobs(jobs, workers, done=done)
+    rows = [finished[name] if name in finished else trained[name] for name in names]
+    summary = summarise(rows, multiples)
     write_json(out_dir / "results.json", {"settings": {**shape, "seeds": seeds, "tasks": tasks}, "runs": rows,
                                           "summary": summary})
     text = table(summary, models, tasks, multiples)
