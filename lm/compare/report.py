@@ -180,7 +180,7 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
     return out_dir
 
 
-def report_from_args(argv: list[str]) -> Path:
+def report_parser():
     """`lm compare report RUN [RUN ...] [--out DIR]`: the run directories by position (jsonargparse takes a list
     only as one JSON value, so they are declared here), the other options from `report`'s signature."""
     from jsonargparse import ArgumentParser
@@ -189,6 +189,12 @@ def report_from_args(argv: list[str]) -> Path:
                             description=report.__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="Run directories of `lm train` (a shell glob such as runs/*).")
     parser.add_function_arguments(report, skip={"runs"})
+    return parser
+
+
+def report_from_args(argv: list[str]) -> Path:
+    """`lm compare report` from its command line (`report_parser`)."""
+    parser = report_parser()
     try:
         namespace = parser.parse_args(argv)
     except Exception as err:
