@@ -182,6 +182,7 @@ def plot(summary: list[dict], models: list[str], tasks: list[str], multiples: tu
         ax.axhline(1 / len(group(TASKS[task])[1]), color="grey", linestyle=":", linewidth=1)
         ax.set(title=task, xlabel="test length / training length", ylabel="last-position accuracy", ylim=(0, 1.02),
                xscale="log", xticks=list(multiples), xticklabels=[f"{m}x" for m in multiples])
+        ax.minorticks_off()  # a log axis would label 3 as well
     axes[0][-1].legend(fontsize=7, loc="lower left")
     save(fig, path)
 
