@@ -1,6 +1,7 @@
 """Shipped configs parse; the paper-size configs are what lm/compare/paper_sizes.py writes and match the attention
 model's parameters (a mixer need not have them: the generator writes them for every registered mixer)."""
 
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SIZES = ("145m", "400m", "1b")
 
 
+@cache
+def parsed(path: Path) -> tuple:
+    """parse_run_config of a shipped config, once per path for the whole module (jsonargparse builds its parser on
+    every call: the paper-size tests read each config up to three times)."""
+    return parse_run_config(["--config", str(path)])
+
+
 def model_of(path: Path) -> LMConfig:
-    return parse_run_config(["--config", str(path)])[0].model
+    return parsed(path)[0].model
 
 
 # bench/, research/ and compare/ hold a command's settings (`--config` of `lm bench ...`, `lm research ...` or
@@ -37,7 +45,7 @@ def test_every_comparison_config_parses_as_its_commands_options(path):
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_config_parses(path):
-    config, _, yaml = parse_run_config(["--config", str(path)])
+    config, _, yaml = parsed(path)
     assert config.data.seq_len <= config.model.max_seq_len
     assert "model:" in yaml
 

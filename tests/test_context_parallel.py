@@ -85,7 +85,8 @@ def worker(rank: int, world: int, port: int, out: str, models: list[str] = MODEL
     group = join_context_group(world)
     errors = {}
     for name in models:
-        whole = run(build(name), windows())
+        # Rank 0 alone runs the whole window, and compares (the others would only repeat it).
+        whole = run(build(name), windows()) if rank == 0 else None
         model = build(name)
         model.context = group
         tokens = windows()
@@ -94,15 +95,18 @@ def worker(rank: int, world: int, port: int, out: str, models: list[str] = MODEL
         # The loss of the window is the mean of the pieces'; its gradients are the sum over ranks of each rank's
         # gradients of its own piece's loss, over the number of pieces.
         loss = mine["loss"].clone()
-        dist.all_reduce(loss)
+        dist.reduce(loss, 0)
         logits, input_grad = ([torch.empty_like(mine[key]) for _ in range(world)] for key in ("logits", "input_grad"))
         dist.all_gather(logits, mine["logits"])
         dist.all_gather(input_grad, mine["input_grad"])
+        for grad in mine["grads"].values():
+            dist.reduce(grad, 0)
+        if rank != 0:
+            continue
         worst = {"loss": float((loss / world - whole["loss"]).abs()),
                  "logits": float((torch.cat(logits, 1) - whole["logits"]).abs().max()),
                  "input_grad": float((torch.cat(input_grad, 1) / world - whole["input_grad"]).abs().max())}
         for key, grad in mine["grads"].items():
-            dist.all_reduce(grad)
             worst[f"grad {key}"] = float((grad / world - whole["grads"][key]).abs().max())
         errors[name] = worst
     if rank == 0:

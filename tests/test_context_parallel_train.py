@@ -1,10 +1,14 @@
 """`lm train` under data x context parallelism (DDP on 4 gloo processes: 2 replicas x 2 ranks sharing each window,
 micro_batch 1 < N = 2, in float64) against the same run on one process (accumulating): the same loss and gradient
 norm at every step, the same weights, validation loss and FLOPs, and throughput figures that count a shared window
-once; a stop notice checkpoints, and the run resumes exactly on its own layout or on another (one process). Plain DDP
-on 2 processes logs the one-process loss at every step too, and so do two nodes started by hand."""
+once; a stop notice checkpoints, and the run resumes exactly on its own layout or on another (one process). Two nodes
+of one process each, started by hand, log the one-process loss at every step too (plain DDP on 2 processes launched by
+Lightning is compared with one process in tests/test_scale_out.py)."""
 
+import contextlib
 import csv
+import io
+import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +30,6 @@ PIECES, REPLICAS, SEQ_LEN, PEAK = 2, 2, 32, 1.0e9
 WORLD = PIECES * REPLICAS
 DATA_X_CONTEXT = ["--strategy.name", "ddp", "--strategy.devices", str(WORLD), "--strategy.context_parallel",
                   str(PIECES)]
-DDP = ["--strategy.name", "ddp", "--strategy.devices", "2"]
 TWO_NODES = ["--strategy.name", "ddp", "--strategy.num_nodes", "2", "--strategy.devices", "1"]
 
 
@@ -63,10 +66,25 @@ def logged(run_dir: Path, key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for launch in rows(run_dir) for r in launch if r.get(key)}
 
 
+def train_here(config: Path, run_dir: Path) -> None:
+    """`lm train` on one process, in this one (no process to start); the environment put back after (Lightning
+    records its seed there, which the launches after it would inherit)."""
+    err, saved = io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(["train", "--config", str(config), "--run_dir", str(run_dir)])
+    finally:  # key by key: a launch may be reading the environment meanwhile, from the other thread
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update({key: value for key, value in saved.items() if os.environ.get(key) != value})
+    assert code == 0, err.getvalue()[-3000:]
+
+
 @pytest.fixture(scope="module")
-def runs(kjv_data, tmp_path_factory) -> dict:
+def runs(kjv_data, tmp_path_factory, one_thread) -> dict:
     """The run on one process; on 2 x 2 processes, stopped by a notice during step 2 (it checkpoints at the step's
-    end), then resumed to the end on 2 x 2, and (a copy) in one process; on 2 DDP processes. Two launches at a time."""
+    end), then resumed to the end on 2 x 2, and (a copy) in one process; on 2 DDP processes started by hand as two
+    nodes. Two launches at a time; the one-process runs in this process."""
     tmp = tmp_path_factory.mktemp("context_parallel")
     cfg = config(tmp, kjv_data)
 
@@ -91,15 +109,14 @@ def runs(kjv_data, tmp_path_factory) -> dict:
 
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(stopped_then_resumed)
-        train(cfg, tmp / "single")
-        train(cfg, tmp / "ddp", *DDP)
+        train_here(cfg, tmp / "single")
         nodes = nodes_by_hand()
         stopped, checkpoints = first.result()
         resumed = pool.submit(train, cfg, tmp / "cp", *DATA_X_CONTEXT)
-        train(cfg, tmp / "cp-then-one")
+        train_here(cfg, tmp / "cp-then-one")
         resumed = resumed.result()
     return {"config": cfg, "single": tmp / "single", "cp": tmp / "cp", "cp-then-one": tmp / "cp-then-one",
-            "ddp": tmp / "ddp", "nodes": tmp / "nodes", "nodes_launches": nodes, "stopped": stopped,
+            "nodes": tmp / "nodes", "nodes_launches": nodes, "stopped": stopped,
             "checkpoints": checkpoints, "resumed": resumed}
 
 
@@ -123,21 +140,26 @@ def test_data_x_context_parallel_training_is_one_process_step_for_step(runs, tmp
 
 
 def test_one_and_two_processes_log_the_same_loss_and_gradient_norm_at_every_step(runs):
-    """One process accumulating 2 micro-batches and 2 DDP processes with one each: train/loss (and train/ppl) is the
-    step's mean over both, and train/grad_norm the norm of the step's whole gradient."""
+    """One process accumulating 2 micro-batches and 2 DDP processes with one each (the two nodes started by hand):
+    train/loss (and train/ppl) is the step's mean over both, and train/grad_norm the norm of the step's whole
+    gradient."""
+    for node in runs["nodes_launches"]:
+        assert node.returncode == 0, node.stderr[-2000:]
     for key in ("train/loss", "train/ppl", "train/grad_norm"):
-        single, ddp = logged(runs["single"], key), logged(runs["ddp"], key)
+        single, ddp = logged(runs["single"], key), logged(runs["nodes"], key)
         assert sorted(ddp) == sorted(single) == [1, 2, 3, 4]
         assert [ddp[s] for s in sorted(ddp)] == pytest.approx([single[s] for s in sorted(ddp)], rel=1e-10, abs=0), key
 
 
 def test_nodes_started_by_hand_train_as_one_run(runs):
     """Two `lm train` processes started by hand as two nodes of one process each (MASTER_ADDR, MASTER_PORT and
-    NODE_RANK; tests/test_train.py has those that cannot meet refused) train the 2-process DDP run, bit for bit."""
+    NODE_RANK; tests/test_train.py has those that cannot meet refused) train as one 2-process DDP run: both meet,
+    rank 0 logs every step's loss and gradient norm of both (those of one process, above), and checkpoints."""
     for node in runs["nodes_launches"]:
         assert node.returncode == 0, node.stderr[-2000:]
+    assert "lm train: 2 processes x micro_batch 1 x accumulate 1" in runs["nodes_launches"][0].stderr
     for key in ("train/loss", "train/grad_norm"):
-        assert logged(runs["nodes"], key) == logged(runs["ddp"], key)
+        assert sorted(logged(runs["nodes"], key)) == [1, 2, 3, 4]
     assert (runs["nodes"] / "checkpoints" / "step=00000004.ckpt").is_file()
 
 

@@ -173,10 +173,9 @@ def fixture_tasks(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_run(kjv_data, tmp_path_factory) -> Path:
-    """A tiny attention model trained for a few steps with `lm train`."""
-    import os
-    import subprocess
-    import sys
+    """A tiny attention model trained for a few steps with `lm train` (in this process: a fresh one would spend more
+    time importing than training)."""
+    from lm.cli import main
 
     tmp = tmp_path_factory.mktemp("harness-run")
     config = tmp / "run.yaml"
@@ -187,19 +186,29 @@ trainer: {{max_steps: 4, val_every: 1000, ckpt_every: 4, log_every: 1, progress_
 strategy: {{accelerator: cpu}}
 run_dir: {tmp / "run"}
 """)
-    subprocess.run([sys.executable, "-m", "lm.cli", "train", "--config", str(config)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    assert main(["train", "--config", str(config)]) == 0
     return tmp / "run"
 
 
-def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(trained_run, fixture_tasks):
+@pytest.fixture(scope="module")
+def lm_scores(trained_run, fixture_tasks) -> dict:
+    """lm-eval's simple_evaluate of the three fixture tasks on the trained checkpoint, `--model lm` by name, samples
+    logged: what lm-eval's command line and its `hf` model on the export must reproduce (run once for both tests)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=str(fixture_tasks), include_defaults=False)  # lm-eval's own: 10 s to index
-    results = lm_eval.simple_evaluate(
+    return lm_eval.simple_evaluate(
         model="lm", model_args=f"checkpoint={trained_run},batch_size=4,device=cpu", tasks=list(FIXTURE_TASKS),
-        task_manager=manager, bootstrap_iters=0)["results"]
+        task_manager=manager, bootstrap_iters=0, log_samples=True)
+
+
+def test_lm_eval_runs_the_three_output_types_offline_on_a_trained_checkpoint(trained_run, fixture_tasks, lm_scores):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(fixture_tasks), include_defaults=False)
+    results = lm_scores["results"]
     assert 0 <= results["lm_fixture_choice"]["acc,none"] <= 1
     assert results["lm_fixture_rolling"]["word_perplexity,none"] > 1
     assert results["lm_fixture_generate"]["exact_match,none"] in (0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1.0)
@@ -235,13 +244,10 @@ def run_lm_eval_cli(run: Path, include_path: Path, tasks: list[str], model: str 
 
 
 def test_lm_evals_hf_model_scores_the_hf_export_as_the_lm_model_scores_the_checkpoint(trained_run, fixture_tasks,
-                                                                                     tmp_path):
+                                                                                     lm_scores, tmp_path):
     """`lm export --format hf`, then lm-eval's own `hf` model on the directory (transformers finds the classes
     through the start-up hook): the multiple-choice accuracies and the generations score as `--model lm` does."""
     import shutil
-
-    import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from lm.cli import main
 
@@ -251,9 +257,7 @@ def test_lm_evals_hf_model_scores_the_hf_export_as_the_lm_model_scores_the_check
     assert main(["export", "--checkpoint", str(trained_run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     tasks = ["lm_fixture_choice", "lm_fixture_generate"]
     hf = run_lm_eval_cli(tmp_path / "hf", fixture_tasks, tasks, model="hf")
-    ours = lm_eval.simple_evaluate(
-        model="lm", model_args=f"checkpoint={trained_run},batch_size=4,device=cpu", tasks=tasks, bootstrap_iters=0,
-        log_samples=True, task_manager=TaskManager(include_path=str(fixture_tasks), include_defaults=False))
+    ours = lm_scores  # simple_evaluate's `--model lm` on the checkpoint, these two tasks among its three
     for task, metric in (("lm_fixture_choice", "acc,none"), ("lm_fixture_choice", "acc_norm,none"),
                          ("lm_fixture_generate", "exact_match,none")):
         assert hf[task][metric] == ours["results"][task][metric], (task, metric)
@@ -268,30 +272,43 @@ def test_lm_evals_hf_model_scores_the_hf_export_as_the_lm_model_scores_the_check
                 assert theirs[sample["doc_id"]] == sample["filtered_resps"]
 
 
-def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixture_tasks):
-    import os
-    import subprocess
-    import sys
+def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixture_tasks, capsys):
+    """`lm eval harness` as its command line runs it (in this process: a fresh one would mostly import; lm-eval's
+    registry in a fresh interpreter is test_an_installed_lm_is_found_by_lm_evals_registry_alone's)."""
+    from lm.cli import main
 
-    result = subprocess.run([sys.executable, "-m", "lm.cli", "eval", "harness", "--checkpoint", str(trained_run),
-                             "--tasks", "[lm_fixture_choice, lm_fixture_rolling]", "--include_path",
-                             str(fixture_tasks), "--batch_size", "2"], capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["eval", "harness", "--checkpoint", str(trained_run), "--tasks",
+                 "[lm_fixture_choice, lm_fixture_rolling]", "--include_path", str(fixture_tasks),
+                 "--batch_size", "2"]) == 0
+    printed = capsys.readouterr().out
     out = trained_run / "eval" / "harness-tasks"
     table = (out / "results.md").read_text()
     assert "| lm_fixture_choice | acc_norm |" in table and "| lm_fixture_rolling | word_perplexity |" in table
-    assert table in result.stdout
+    assert table in printed
     assert set(json.loads((out / "results.json").read_text())["results"]) == {"lm_fixture_choice",
                                                                             "lm_fixture_rolling"}
 
 
 def test_a_suite_whose_data_is_missing_offline_names_the_task(trained_run, monkeypatch):
+    import lm_eval.tasks
+
     from lm.eval.run_harness import harness as run_harness
     from lm.util.errors import UserError
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # lm-eval's index of its own thousands of task YAMLs (about 10 s) is built once for both failing calls below, not
+    # once per call: the same arguments give the same index.
+    made, task_manager = {}, lm_eval.tasks.TaskManager
+
+    def once(*args, **kwargs):
+        key = repr((args, kwargs))
+        if key not in made:
+            made[key] = task_manager(*args, **kwargs)
+        return made[key]
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", once)
     with pytest.raises(UserError, match="task wikitext: its data could not be loaded"):
         run_harness(str(trained_run), suite="standard")
     with pytest.raises(UserError, match="unknown lm-eval task"):

@@ -1,12 +1,12 @@
-"""The mixer protocol (lm.mixers.protocol): a mixer defined here and registered with one line (its float64 reference
-given here too, as tests/mixer_references would hold it) needs no other file: it trains, counts its parameters and
-FLOPs, plans, benchmarks, gets the probes' defaults and passes the generic mixer tests like the shipped ones; options
-are checked at parse time; and neither the model nor the accounting nor training names a mixer."""
+"""The mixer protocol (lm.mixers.protocol): a mixer defined outside lm (tests/throwaway_mixer.py, with its float64
+reference, as tests/mixer_references would hold it) and registered with one line needs no other file: it trains,
+counts its parameters and FLOPs, plans, benchmarks, gets the probes' defaults and passes the generic mixer tests like
+the shipped ones; options are checked at parse time; and neither the model nor the accounting nor training names a
+mixer."""
 
 import json
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ import yaml
 from mixer_references import REFERENCES, Reference
 from test_flops import assert_close, counted
 from test_mixer_contract import run_in_pieces
-from torch import nn
+from throwaway_mixer import EMA, ema_context_worker, ema_reference
 
 from lm.accounting import flops
 from lm.bench.mixer_speed import bench_mixers
@@ -30,51 +30,12 @@ from lm.cli import main
 from lm.compare import paper_sizes
 from lm.compare.demo import DEFAULT_LR, demo_lr
 from lm.eval import icl, mqar
-from lm.mixers import MIXERS, Mixer, register
-from lm.mixers.layers import residual_output
+from lm.mixers import MIXERS, register
 from lm.model import LanguageModel, LMConfig
-from lm.ops.call import OpCall
 from lm.training.param_groups import param_groups
 from lm.training.schedule import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class EMA(Mixer):
-    """A throwaway mixer: an exponential moving average of a projection of the input, h_t = a_t h_{t-1} +
-    (1 - a_t) u_t with a data-dependent decay a_t = sigmoid(W_a x_t + b) per channel, then an output projection
-    (width W = width * d_model). Nothing else: its parameter count is the protocol's, from a build."""
-
-    @dataclass
-    class Options:
-        width: float = 1.0
-
-    def __init__(self, d_model, n_heads, head_dim, layer_idx=0, **options):
-        super().__init__(d_model, n_heads, head_dim, layer_idx, **options)
-        self.W = int(self.options.width * d_model)
-        self.u_proj, self.a_proj = nn.Linear(d_model, self.W, bias=False), nn.Linear(d_model, self.W)
-        self.o = residual_output(nn.Linear(self.W, d_model, bias=False))  # not named out_proj: the marker counts
-
-    def op_inputs(self, x, state, reset):
-        log_a = F.logsigmoid(self.a_proj(x))
-        return OpCall("diagonal_scan", (-torch.expm1(log_a) * self.u_proj(x), log_a))
-
-    def op_output(self, x, out, call):
-        return self.o(out.to(x.dtype))
-
-
-def ema_reference(mixer, x, state, reset):
-    """EMA's float64 reference, token by token from its equation (tests/mixer_references' form): u_t = W_u x_t,
-    a_t = sigmoid(W_a x_t + b), h_t = a_t h_{t-1} + (1 - a_t) u_t (h cleared at a reset), y_t = W_o h_t."""
-    h = x.new_zeros(x.shape[0], mixer.W) if state is None else state
-    ys = []
-    for t in range(x.shape[1]):
-        if reset is not None:
-            h = h * (~reset[:, t]).to(x.dtype)[:, None]
-        a = torch.sigmoid(x[:, t] @ mixer.a_proj.weight.T + mixer.a_proj.bias)
-        h = a * h + (1 - a) * (x[:, t] @ mixer.u_proj.weight.T)
-        ys.append(h @ mixer.o.weight.T)
-    return torch.stack(ys, dim=1), h
 
 
 @pytest.fixture
@@ -178,15 +139,6 @@ def test_nothing_below_the_probes_names_a_mixer():
     found = subprocess.run(["git", "grep", "--untracked", "-nE", pattern, "--", ".", *outside], cwd=ROOT,
                            capture_output=True, text=True).stdout
     assert found == "", found
-
-
-def ema_context_worker(rank: int, world: int, port: int, out: str) -> None:
-    """tests/test_context_parallel.py's worker for the throwaway mixer alone, registered in this spawned process as
-    the test registers it: nothing of its own for context parallelism."""
-    import test_context_parallel
-
-    register("ema")(EMA)
-    test_context_parallel.worker(rank, world, port, out, models=["ema"])
 
 
 def test_a_throwaway_mixer_is_exact_under_context_parallelism(tmp_path):

@@ -90,12 +90,18 @@ def expected_state_floats(mixer: str, options: dict, d: int, heads: int, head_di
     raise AssertionError(f"no state formula for mixer {mixer!r}: add one")
 
 
-def test_quick_grid_writes_the_table_and_the_figure(tmp_path):
+@pytest.fixture(scope="module")
+def quick_grid(tmp_path_factory):
+    """The quick grid of every registered mixer, two processes, as the default grid runs: (out, rows)."""
+    out = tmp_path_factory.mktemp("quick") / "grid"
+    return out, grid.mqar_grid(out=str(out), quick=True, processes=2)
+
+
+def test_quick_grid_writes_the_table_and_the_figure(quick_grid):
     """Every registered mixer, two processes, as the default grid runs (zoology's protocol). Each cell's state size
     is what its mixer's recurrence holds plus the convolution before it, and its row is its own: rerun alone in this
     process (one thread, as in the pool), a cell gives the same accuracy and loss to the last bit."""
-    out = tmp_path / "grid"
-    rows = grid.mqar_grid(out=str(out), quick=True, processes=2)
+    out, rows = quick_grid
     assert len(rows) == len(MIXERS) * 2
     table = read_csv(out / "grid.csv")
     assert {r["mixer"] for r in table} == set(MIXERS) and {r["pairs"] for r in table} == {"2", "6"}
@@ -141,7 +147,7 @@ def test_a_cell_that_can_learn_beats_chance(one_thread):
     assert row["final_loss"] < 0.5 * math.log(32), row  # 1.73
 
 
-def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):
+def test_resume_runs_only_the_missing_cells_and_refuses_another_grids(tmp_path, monkeypatch, quick_grid, one_thread):
     out = tmp_path / "grid"
     grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1, cell=1)
     assert [p.name for p in (out / "cells").glob("*.json")] == [f"{ONE[0]}_d16_n6_lr0.003_s0.json"]
@@ -151,10 +157,16 @@ def test_resume_runs_only_the_missing_cells(tmp_path, monkeypatch):
     resumed = grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1)
     assert ran == [f"{ONE[0]}_d16_n2_lr0.003_s0"]
     assert len(read_csv(out / "grid.csv")) == 2
-    # The same cells run in one go give the same rows: a resumed grid is the grid.
-    whole = grid.mqar_grid(out=str(tmp_path / "whole"), mixers=ONE, quick=True, processes=1)
+    # The same cells run in one go (the quick grid's, each in a process of one thread; these in this one, on one
+    # thread) give the same rows: a resumed grid is the grid.
     same = ("name", "accuracy", "final_loss", "params", "state_floats", "state_grows")
+    whole = [r for r in quick_grid[1] if r["mixer"] == ONE[0]]
     assert [{k: r[k] for k in same} for r in resumed] == [{k: r[k] for k in same} for r in whole]
+    # A cell of another grid (other settings under the same name) is refused, not mixed into the table.
+    cell = next((out / "cells").glob("*.json"))
+    cell.write_text(json.dumps(json.loads(cell.read_text()) | {"steps": 99}))
+    with pytest.raises(UserError, match="was run with other settings \\(steps\\): use another --out"):
+        grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1)
 
 
 def test_cell_minus_one_prints_the_number_of_cells(tmp_path, capsys):
@@ -171,16 +183,6 @@ def test_mixer_options_replace_the_probe_options_in_the_cells_model():
     assert chosen["options"] == {"norm_init": 1.0} and default["options"] == {}
     weights = [grid.build_model(c, task).blocks[0].mixer.norm.weight for c in (default, chosen)]
     assert (weights[0] == MIXERS["mesa"].Options().norm_init).all() and (weights[1] == 1.0).all()
-
-
-def test_cells_of_another_grid_are_refused(tmp_path):
-    out = tmp_path / "grid"
-    grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1, cell=0)
-    cell = next((out / "cells").glob("*.json"))
-    row = json.loads(cell.read_text()) | {"steps": 99}
-    cell.write_text(json.dumps(row))
-    with pytest.raises(UserError, match="was run with other settings \\(steps\\): use another --out"):
-        grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -8,18 +8,24 @@ sharing each window, micro_batch 1 < N = 4.
 
 A run config is any YAML under configs/ with model, data and trainer sections, so a new recipe is covered without
 touching this file. Single-process configs train in this process, one after another (no imports per config);
-several processes are launched as a user launches them."""
+several processes are launched as a user launches them, once for all the configs of a process count: the launch's
+first `lm train` starts the other ranks as `lm train --config FILE` does (Lightning runs the launch's command again
+in each), and the next configs train in those same processes, one after another (see `launch_together`)."""
 
 import csv
 import io
+import json
 import math
+import os
 import subprocess
+import sys
+import traceback
 from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
 import yaml
-from strategy_runs import environment, lm_command
+from strategy_runs import environment
 
 from lm.cli import main
 
@@ -91,19 +97,61 @@ def test_every_kind_of_run_config_is_found():
     assert any(layout(yaml.safe_load(p.read_text()))["processes"] > 1 for p in CASES.values())
 
 
+def train_here(name: str, data: str, run_dir: Path) -> tuple[int, str]:
+    """`lm train --config FILE` with the overrides, in this process: (exit status, what it wrote to stderr)."""
+    path = CASES[name]
+    argv = ["train", "--config", str(path), *overrides(yaml.safe_load(path.read_text()), data, run_dir)]
+    with redirect_stderr(io.StringIO()) as stderr:
+        try:
+            code = main(argv)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return code, stderr.getvalue()
+
+
+def run_dir_of(out: Path, name: str) -> Path:
+    return out / name.replace("/", "--").removesuffix(".yaml")
+
+
+def launch_together(names: list[str], data: str, out: Path) -> dict[str, tuple[int | None, str]]:
+    """The configs `names` (one process count) in one launch of `python tests/test_recipes.py DATA OUT NAME...`
+    (this file's __main__): each rank trains them one after another, the first one's `lm train` starting the other
+    ranks as a user's launch does. Each config's (exit status, rank 0's stderr); a config the launch did not get to:
+    (None, the launch's stderr)."""
+    launch = subprocess.run([sys.executable, __file__, data, str(out), *names], env=environment(),
+                            capture_output=True, text=True, timeout=600)
+    record = out / "results.json"
+    done = json.loads(record.read_text()) if record.is_file() else {}
+    said = f"the launch ended with {launch.returncode} before this config:\n{launch.stderr[-3000:]}"
+    return {name: tuple(done[name]) if name in done else (None, said) for name in names}
+
+
+@pytest.fixture(scope="module")
+def launched(kjv_data, tmp_path_factory) -> dict[str, tuple[int | None, str, Path]]:
+    """Every multi-process config's (exit status, stderr, run directory): one launch per process count."""
+    by_count: dict[int, list[str]] = {}
+    for name, path in CASES.items():
+        processes = layout(yaml.safe_load(path.read_text()))["processes"]
+        if processes > 1:
+            by_count.setdefault(processes, []).append(name)
+    results = {}
+    for processes, names in sorted(by_count.items()):
+        out = tmp_path_factory.mktemp(f"launch{processes}")
+        results.update({name: (*result, run_dir_of(out, name))
+                        for name, result in launch_together(names, kjv_data, out).items()})
+    return results
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_every_shipped_config_starts(name, kjv_data, tmp_path, one_thread):
+def test_every_shipped_config_starts(name, kjv_data, tmp_path, one_thread, request):
     path = CASES[name]
     raw = yaml.safe_load(path.read_text())
     kept, run_dir = layout(raw), tmp_path / "run"
-    argv = ["train", "--config", str(path), *overrides(raw, kjv_data, run_dir)]
     if kept["processes"] == 1:
-        with redirect_stderr(io.StringIO()) as stderr:
-            code = main(argv)
-        stderr = stderr.getvalue()
+        code, stderr = train_here(name, kjv_data, run_dir)
     else:
-        result = subprocess.run(lm_command(*argv), env=environment(), capture_output=True, text=True, timeout=600)
-        code, stderr = result.returncode, result.stderr
+        code, stderr, run_dir = request.getfixturevalue("launched")[name]
     assert code == 0, stderr[-3000:]
 
     # The layout as the file has it: its context groups, micro-batch and accumulation; its replicas as many as fit.
@@ -125,3 +173,15 @@ def test_every_shipped_config_starts(name, kjv_data, tmp_path, one_thread):
     assert max(int(r["train/batches"]) for r in rows if r.get("train/batches")) == 2 * kept["accumulate"]
     checkpoint = run_dir / "checkpoints" / "step=00000002.ckpt"
     assert checkpoint.exists()
+
+
+if __name__ == "__main__":  # launch_together's launch: python tests/test_recipes.py DATA OUT NAME...
+    data, out, *names = sys.argv[1:]
+    results = {}
+    for name in names:
+        code, stderr = train_here(name, data, run_dir_of(Path(out), name))
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # rank 0 (Lightning sets LOCAL_RANK 0 there once it launches)
+            results[name] = (code, stderr)
+            Path(out, "results.json").write_text(json.dumps(results))
+        if code != 0:
+            sys.exit(code)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lm.cli import main
 from lm.training.checkpoint import newest_checkpoint
 from lm.training.config import parse_run_config
 from lm.training.stop_request import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
@@ -62,14 +63,15 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def straight(kjv_data, tmp_path_factory) -> Path:
+def straight(kjv_data, tmp_path_factory, one_thread) -> Path:
     tmp = tmp_path_factory.mktemp("straight")
     train(*parse_run_config(["--config", str(config_file(tmp, kjv_data, tmp / "straight"))]))
     return tmp / "straight" / "checkpoints" / f"step={STEPS:08d}.ckpt"
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
-def test_a_signal_to_the_group_mid_run_checkpoints_exits_75_and_the_rerun_matches(sig, straight, kjv_data, tmp_path):
+def test_a_signal_to_the_group_mid_run_checkpoints_exits_75_and_the_rerun_matches(sig, straight, kjv_data, tmp_path,
+                                                                                  capsys):
     run_dir = tmp_path / "run"
     config = config_file(tmp_path, kjv_data, run_dir)
     process = launch(config)
@@ -84,9 +86,11 @@ def test_a_signal_to_the_group_mid_run_checkpoints_exits_75_and_the_rerun_matche
     step = int(stopped.name[5:13])
     assert EVERY < step < STEPS and f"stopped on request at step {step} with a checkpoint" in stderr
     assert f"{sig.name}: stopping at the next step with a checkpoint" in stderr
-    rerun = subprocess.run([sys.executable, "-m", "lm.cli", "train", "--config", str(config)], capture_output=True,
-                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
-    assert rerun.returncode == 0 and f"resuming from {stopped}" in rerun.stderr, rerun.stderr[-3000:]
+    # The rerun in this process (main(), as the command line runs it): a launch of its own would import torch and
+    # Lightning again for a few steps.
+    capsys.readouterr()
+    code, err = main(["train", "--config", str(config)]), capsys.readouterr().err
+    assert code == 0 and f"resuming from {stopped}" in err, err[-3000:]
     ours, theirs = weights(run_dir / "checkpoints" / straight.name), weights(straight)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
@@ -208,25 +212,28 @@ def test_a_second_notice_still_checkpoints_unless_it_is_a_ctrl_c():
             process.wait()
 
 
-def test_a_stop_checkpoints_its_step_without_a_validation_and_a_second_notice_changes_nothing(kjv_data, tmp_path):
+def test_a_stop_checkpoints_its_step_without_a_validation_and_a_second_notice_changes_nothing(kjv_data, tmp_path,
+                                                                                              capsys, monkeypatch):
     """Validation every 5 steps. A Ctrl-C during step 3, then a SIGTERM while the stop's checkpoint is written; the
     rerun, a SIGUSR1 during step 5, then a SIGTERM again. Each launch writes the checkpoint of its stop's step and
     exits 75, with a line for each notice, and no validation runs: neither the one Lightning adds after a step that
-    stops training (step 3) nor the one due at the step (step 5). Either would spend the scheduler's warning."""
+    stops training (step 3) nor the one due at the step (step 5). Either would spend the scheduler's warning. (Both
+    launches in this process, as the command line runs them: LM_FAULTS sends the notices to this process, whose
+    listener thread takes them.)"""
     run_dir = tmp_path / "run"
     config = config_file(tmp_path, kjv_data, run_dir, val_every=5, ckpt_every=1000, workers=0)
     for step, faults, first in [(3, "sigint@step:2,sigterm@checkpoint", "SIGINT"),
                                 (5, "signal@step:4,sigterm@checkpoint", "SIGUSR1")]:
-        result = subprocess.run([sys.executable, "-m", "lm.cli", "train", "--config", str(config)], text=True,
-                                capture_output=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                       "WANDB_MODE": "offline", "LM_FAULTS": faults})
-        assert result.returncode == STOPPED_EXIT_CODE, result.stderr[-3000:]
-        assert "Traceback" not in result.stderr
-        lines = [line for line in result.stderr.splitlines() if line.startswith("lm train: SIG")]
+        monkeypatch.setenv("LM_FAULTS", faults)
+        capsys.readouterr()
+        code, stderr = main(["train", "--config", str(config)]), capsys.readouterr().err
+        assert code == STOPPED_EXIT_CODE, stderr[-3000:]
+        assert "Traceback" not in stderr
+        lines = [line for line in stderr.splitlines() if line.startswith("lm train: SIG")]
         assert lines == [f"lm train: {FIRST_LINE[first]}",
-                         "lm train: SIGTERM as well: still stopping at the next step with a checkpoint"], result.stderr
-        assert result.stderr.strip().splitlines()[-1] == (f"lm train: stopped on request at step {step} with a "
-                                                          "checkpoint; run again to resume")
+                         "lm train: SIGTERM as well: still stopping at the next step with a checkpoint"], stderr
+        assert stderr.strip().splitlines()[-1] == (f"lm train: stopped on request at step {step} with a "
+                                                   "checkpoint; run again to resume")
         assert newest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step={step:08d}.ckpt"
     assert validated_at(run_dir) == []
 

@@ -150,9 +150,10 @@ def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(straight, kjv
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", newest)
 
 
-def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
+def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path, capsys):
     """SIGKILL after step 3 (LM_FAULTS sends it from inside, at exactly that step), a checkpoint every 2 steps: the
-    killed launch leaves the step-2 checkpoint as its newest, and the rerun resumes from exactly that one."""
+    killed launch leaves the step-2 checkpoint as its newest, and the rerun (in this process, as the command line
+    runs it) resumes from exactly that one."""
     run_dir = tmp_path / "killed"
     config = config_file(tmp_path, kjv_data, run_dir, ckpt_every=2)
     cmd = [sys.executable, "-m", "lm.cli", "train", "--config", str(config)]
@@ -160,9 +161,10 @@ def test_sigkill_between_checkpoints_then_resume(straight, kjv_data, tmp_path):
     killed = subprocess.run(cmd, env={**env, "LM_FAULTS": "kill@step:3"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-2000:])
     assert [p.name for p in step_checkpoints(run_dir / "checkpoints")] == ["step=00000002.ckpt"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert_resumed_at(run_dir, 2, straight, done.stderr)
+    capsys.readouterr()
+    code, err = main(["train", "--config", str(config)]), capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert_resumed_at(run_dir, 2, straight, err)
     assert_same_weights(straight / "checkpoints/step=00000008.ckpt", run_dir / "checkpoints/step=00000008.ckpt")
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
@@ -209,22 +211,18 @@ def test_a_stop_notice_at_any_moment_ends_in_0_or_75_and_the_run_then_matches(st
                             tmp_path / name / "checkpoints" / "step=00000008.ckpt")
 
 
-def test_sigterm_mid_accumulation_stops_at_the_step_boundary_and_resumes_exactly(kjv_data, tmp_path):
+def test_sigterm_mid_accumulation_stops_at_the_step_boundary_and_resumes_exactly(kjv_data, tmp_path, monkeypatch):
     """A time limit's SIGTERM in the middle of an accumulation (2 micro-batches per step): all of the step is done,
-    a checkpoint written, exit 75; the rerun ends with the weights of the run never stopped."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    a checkpoint written, exit 75; the rerun ends with the weights of the run never stopped. (`lm train` in this
+    process, as the command line runs it: LM_FAULTS sends the notice to this process, whose listener takes it.)"""
     from lm.training.stop_request import STOPPED_EXIT_CODE
 
     def launch(name: str, faults: str) -> int:
         config = config_file(tmp_path, kjv_data, tmp_path / name)
-        cmd = [sys.executable, "-m", "lm.cli", "train", "--config", str(config), "--data.micro_batch", "2",
-               "--trainer.accumulate", "2"]
-        env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "LM_FAULTS": faults}
-        return subprocess.run(cmd, env=env, capture_output=True, text=True).returncode
+        monkeypatch.setenv("LM_FAULTS", faults)
+        return main(["train", "--config", str(config), "--data.micro_batch", "2", "--trainer.accumulate", "2"])
 
-    with ThreadPoolExecutor(2) as pool:
-        reference, stopped = pool.map(launch, ["reference", "stopped"], ["", "sigterm@step:2"])
+    reference, stopped = launch("reference", ""), launch("stopped", "sigterm@step:2")
     assert (reference, stopped) == (0, STOPPED_EXIT_CODE)
     assert newest_checkpoint(tmp_path / "stopped" / "checkpoints").name == "step=00000003.ckpt"
     assert launch("stopped", "") == 0

@@ -1,7 +1,10 @@
 """lm.util.workers.run_jobs: results in the jobs' order whatever order they end in, each worker's threads set, each
 job's output in its log, and a failure that names its job, in worker processes and in this one. A stop signal to the
 process stops its jobs and starts no other: in workers, here, and for a real `lm compare ladder` process, whose stopped
-training runs checkpoint and continue when it runs again."""
+training runs checkpoint and continue when it runs again.
+
+Each spawned worker imports this module (its jobs are this module's functions): what only the ladder's test needs,
+lm.training.checkpoint (Lightning: seconds per process), that test imports itself."""
 
 import multiprocessing
 import os
@@ -18,7 +21,6 @@ import torch
 import yaml
 
 from lm.cli import main
-from lm.training.checkpoint import newest_checkpoint
 from lm.training.stop_request import STOPPED_EXIT_CODE
 from lm.util.errors import UserError
 from lm.util.workers import Stopped, run_jobs
@@ -146,6 +148,8 @@ def test_a_stopped_ladder_stops_its_workers_runs_and_its_rerun_continues_them(kj
     """`kill PID` on a local `lm compare ladder` (2 workers): both running training runs checkpoint and end, the ladder
     exits 75 in one line, and no worker outlives it. Run again, it skips the finished lr sweep and resumes each
     stopped run from its checkpoint."""
+    from lm.training.checkpoint import newest_checkpoint
+
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({
         "seed": 0, "model": {"vocab_size": 512, "max_seq_len": 32},
         "data": {"path": kjv_data, "seq_len": 32, "micro_batch": 4, "global_batch": 4, "num_workers": 0,
