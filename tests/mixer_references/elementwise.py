@@ -35,6 +35,18 @@ def conv_step(past: torch.Tensor, x_t: torch.Tensor, weight: torch.Tensor, bias:
     return (silu(y) if activation else y), window[:, 1:]
 
 
+def short_conv_projections(mixer, x_t: torch.Tensor, state: dict, names: str = "qkv") -> list[torch.Tensor]:
+    """Each of `names`'s projection of x_t [B, D] (`mixer.{name}_proj`), through its causal conv and SiLU
+    (`mixer.{name}_conv`, its past inputs in state[name], updated) when the mixer has convs (options.conv_size)."""
+    out = []
+    for name in names:
+        u = x_t @ getattr(mixer, f"{name}_proj").weight.T
+        if mixer.options.conv_size:
+            u, state[name] = conv_step(state[name], u, getattr(mixer, f"{name}_conv").weight)
+        out.append(u)
+    return out
+
+
 def cleared(state: dict, reset_t: torch.Tensor | None) -> dict:
     """A state of per-row tensors [B, ...] with the rows where reset_t [B] is True set to zero (a document starts)."""
     if reset_t is None:

@@ -18,22 +18,14 @@ import math
 import torch
 
 from . import reference
-from .elementwise import cleared, conv_step, l2_normalise, rms_normalise, softplus
+from .deltanet import _zero_state  # the same state: S and the q, k, v convs' past inputs
+from .elementwise import cleared, l2_normalise, rms_normalise, short_conv_projections, softplus
 
 VARIANTS = [{"chunk_size": 8, "sub_chunk": 4}, {"chunk_size": 4, "sub_chunk": 2, "channel_gates": True},
             {"chunk_size": 4, "sub_chunk": 2, "beta_range": [0.0, 2.0]},
             {"chunk_size": 4, "sub_chunk": 2, "channel_gates": True, "beta_range": [0.0, 2.0]},
             {"chunk_size": 4, "sub_chunk": 4, "conv_size": 0, "qk_norm": False, "output_norm": False},
             {"chunk_size": 4, "sub_chunk": 2, "expand_v": 2.0}]
-
-
-def _zero_state(mixer, x):
-    B, H, K, V = x.shape[0], mixer.n_heads, mixer.key_dim, mixer.value_dim
-    W = mixer.options.conv_size
-    state = {"S": x.new_zeros(B, H, K, V)}
-    if W:
-        state.update(q=x.new_zeros(B, W - 1, H * K), k=x.new_zeros(B, W - 1, H * K), v=x.new_zeros(B, W - 1, H * V))
-    return state
 
 
 @reference("kda", variants=VARIANTS)
@@ -47,12 +39,7 @@ def forward(mixer, x, state, reset):
     for t in range(T):
         x_t = x[:, t]
         state = cleared(state, None if reset is None else reset[:, t])
-        qkv = []
-        for n in "qkv":
-            u = x_t @ getattr(mixer, f"{n}_proj").weight.T
-            if o.conv_size:
-                u, state[n] = conv_step(state[n], u, getattr(mixer, f"{n}_conv").weight)
-            qkv.append(u)
+        qkv = short_conv_projections(mixer, x_t, state)
         q, k, v = qkv[0].view(B, H, K), qkv[1].view(B, H, K), qkv[2].view(B, H, V)
         if o.qk_norm:
             q, k = l2_normalise(q), l2_normalise(k)

@@ -19,7 +19,7 @@ import math
 import torch
 
 from . import reference
-from .elementwise import cleared, conv_step, l2_normalise, rms_normalise, silu, softplus
+from .elementwise import cleared, l2_normalise, rms_normalise, short_conv_projections, silu, softplus
 
 CHUNK = {"chunk_size": 4}
 
@@ -41,12 +41,7 @@ def forward(mixer, x, state, reset):
     for t in range(T):
         x_t = x[:, t]
         state = cleared(state, None if reset is None else reset[:, t])
-        qkv = []
-        for name in "qkv":
-            u = x_t @ getattr(mixer, f"{name}_proj").weight.T
-            if o.conv_size:
-                u, state[name] = conv_step(state[name], u, getattr(mixer, f"{name}_conv").weight)
-            qkv.append(u)
+        qkv = short_conv_projections(mixer, x_t, state)
         q, k, v = qkv[0].view(B, H, K), qkv[1].view(B, H, K), qkv[2].view(B, H, V)
         if o.qk_norm:
             q, k = l2_normalise(q), l2_normalise(k)
