@@ -1,7 +1,11 @@
-"""Launches of `lm train` in 2 processes per strategy (DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2) and in one process, on
-one machine: tests/test_scale_out.py compares them with each other, and tests/test_slurm.py with the same runs on two
-SLURM nodes (the conftest's `strategy_runs`, made once per session)."""
+"""Launches of `lm train` in 2 processes per strategy (DDP, DeepSpeed ZeRO-2 / ZeRO-3, FSDP2), and a run in one
+process, on one machine: tests/test_scale_out.py compares them with each other, and tests/test_slurm.py with the same
+runs on two SLURM nodes (the conftest's `strategy_runs`, made once per session). The DDP run also evaluates in the
+loop at its last step (in_loop_eval), for tests/test_scale_out.py's in-loop evaluation test."""
 
+import contextlib
+import io
+import json
 import os
 import socket
 import subprocess
@@ -19,6 +23,49 @@ STRATEGIES = {
 # The same global batch of 4 sequences as 2 processes x 2, in 2 micro-batches of 2: the loss and gradient norm that
 # one process logs for a step are then those of both (tests/test_scale_out.py).
 ONE_PROCESS = ["--data.micro_batch", "2"]
+# Two lm-eval tasks read from a local file (no download): a multiple choice and a rolling log-likelihood.
+LOCAL_TASKS = {
+    "lm_local_choice": """task: lm_local_choice
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
+""",
+    "lm_local_text": """task: lm_local_text
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{context}}}}{{{{choices[0]}}}}"
+metric_list: [{{metric: word_perplexity}}]
+"""}
+EVAL_TASKS = "[lm_local_choice, lm_local_text]"
+
+
+def write_local_tasks(folder: Path) -> Path:
+    """LOCAL_TASKS and their three documents in folder (an lm-eval include path)."""
+    folder.mkdir()
+    with open(folder / "local.jsonl", "w") as f:
+        for context, right, wrong in [("In the beginning", " God created", " the waters"),
+                                      ("And God said,", " Let there be light", " the evening"),
+                                      ("And the evening and the morning were the", " first day", " firmament")]:
+            f.write(json.dumps({"context": context, "choices": [right, wrong]}) + "\n")
+    for name, text in LOCAL_TASKS.items():
+        (folder / f"{name}.yaml").write_text(text.format(dir=folder))
+    return folder
+
+
+def in_loop_eval(tasks: Path) -> list[str]:
+    """The flags of the DDP run's in-loop evaluation: at step 4, its last, after its loss and before its checkpoint
+    (neither the losses nor the weights change; the step-4 checkpoint's random states are those lm-eval seeds)."""
+    return ["--eval.every", "4", "--eval.tasks", EVAL_TASKS, "--eval.include_path", str(tasks)]
+
+
 def base_config(tmp: Path, data: str, steps: int = 4, ckpt_every: int = 2) -> Path:
     path = tmp / "base.yaml"
     path.write_text(f"""
@@ -59,23 +106,52 @@ def environment() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "MASTER_PORT": str(free_port())}
 
 
-def lm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(lm_command(*args), env=environment(), capture_output=True, text=True, timeout=600)
+def lm(*args: str, check: bool = True, environ: dict | None = None, **env: str) -> subprocess.CompletedProcess:
+    """A launch of `lm`, in `environ` (else environment()) with env added."""
+    result = subprocess.run(lm_command(*args), env={**(environ or environment()), **env}, capture_output=True,
+                            text=True, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"lm {' '.join(args)} -> {result.returncode}\n{result.stderr[-3000:]}")
     return result
 
 
-def train(config: Path, run_dir: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check)
+def train(config: Path, run_dir: Path, *flags: str, check: bool = True, environ: dict | None = None,
+          **env: str) -> subprocess.CompletedProcess:
+    return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check, environ=environ, **env)
+
+
+def train_here(config: Path, run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`lm train` in one process, in this one (main(), as the command line runs it, in one thread as the launches):
+    a launch of its own would spend most of its time importing torch and Lightning again. Its exit status and
+    stderr. In the main thread (it handles the stop signals there); launches that run meanwhile from other threads
+    take an environment copied before (environ=environment()): lm sets and removes variables of this process's
+    while it trains."""
+    import torch
+
+    from lm.cli import main
+
+    argv, err, threads = ["train", "--config", str(config), "--run_dir", str(run_dir), *flags], io.StringIO(), \
+        torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(argv, code, "", err.getvalue())
 
 
 def train_every_strategy(tmp: Path, data: str) -> dict[str, Path]:
-    """4 steps of each strategy (checkpoints at 2 and 4), and of one process. Two launches at a time: while one
-    launch's processes import and meet, a core would wait."""
-    config = base_config(tmp, data)
-    launches = {"single": ONE_PROCESS, **STRATEGIES}
+    """4 steps of each strategy (checkpoints at 2 and 4), and of one process; "eval_tasks": the DDP run's in-loop
+    evaluation tasks (in_loop_eval). Two launches at a time: while one launch's processes import and meet, a core
+    would wait; meanwhile the one process in this one (train_here)."""
+    config, tasks = base_config(tmp, data), write_local_tasks(tmp / "tasks")
+    launches = {**STRATEGIES, "ddp": [*STRATEGIES["ddp"], *in_loop_eval(tasks)]}
     with ThreadPoolExecutor(2) as pool:
-        for future in [pool.submit(train, config, tmp / name, *flags) for name, flags in launches.items()]:
+        futures = [pool.submit(train, config, tmp / name, *flags, environ=environment())
+                   for name, flags in launches.items()]
+        single = train_here(config, tmp / "single", *ONE_PROCESS)
+        assert single.returncode == 0, f"lm train (single) -> {single.returncode}\n{single.stderr[-3000:]}"
+        for future in futures:
             future.result()
-    return {"config": config, **{name: tmp / name for name in launches}}
+    return {"config": config, "eval_tasks": tasks, "single": tmp / "single", **{name: tmp / name for name in launches}}

@@ -1,6 +1,7 @@
-"""Context parallelism (lm.mixers.context_parallel): on 2 and 4 gloo processes, in float64, every registered mixer and a
-hybrid give what one process gives on the whole window, to 1e-10: logits, loss, and the gradients of every parameter
-and of the embedded input, with documents that start on a piece's boundary and inside a piece."""
+"""Context parallelism (lm.mixers.context_parallel): by 2 and 4 gloo processes (in one group of 4: two context groups
+of 2 side by side, then one of 4), in float64, every registered mixer and a hybrid give what one process gives on the
+whole window, to 1e-10: logits, loss, and the gradients of every parameter and of the embedded input, with documents
+that start on a piece's boundary and inside a piece."""
 
 import dataclasses
 import json
@@ -18,6 +19,9 @@ from lm.mixers.context_parallel import join_context_group, layout
 from lm.model import LanguageModel, LMConfig
 
 T, SEPARATOR = 24, 1  # pieces of 12 (2 ranks) and 6 (4 ranks)
+# Both checked in one group of 4 processes: a process's start (torch and lm imported, each block compiled) costs
+# more than the checks themselves.
+SIZES = (2, 4)
 # Small chunks and windows, so that a piece spans several chunks and the state that crosses ranks is all of it: every
 # mixer with a chunk_size gets SMALL's, and these their own besides.
 SMALL = {"chunk_size": 4, "sub_chunk": 4}
@@ -78,45 +82,81 @@ def run(model: LanguageModel, tokens: torch.Tensor) -> dict:
             "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
 
 
-def worker(rank: int, world: int, port: int, out: str, models: list[str] = MODELS) -> None:
+def compare(name: str, group, whole: dict | None) -> dict | None:
+    """On every rank of `group`: `name` run by pieces over the group. On its first rank, which holds `whole` (one
+    process's run of the whole window), the worst difference of each result from it."""
+    model = build(name)
+    model.context = group
+    tokens = windows()
+    piece = torch.cat([group.piece(tokens[:, :-1]), group.piece(tokens[:, 1:])[:, -1:]], dim=1)
+    mine = run(model, piece)
+    # The loss of the window is the mean of the pieces'; its gradients are the sum over ranks of each rank's
+    # gradients of its own piece's loss, over the number of pieces.
+    first, size = group.ranks[0], group.size
+    loss = mine["loss"].clone()
+    dist.reduce(loss, first, group=group.group)
+    logits, input_grad = ([torch.empty_like(mine[key]) for _ in range(size)] for key in ("logits", "input_grad"))
+    dist.all_gather(logits, mine["logits"], group=group.group)
+    dist.all_gather(input_grad, mine["input_grad"], group=group.group)
+    for grad in mine["grads"].values():
+        dist.reduce(grad, first, group=group.group)
+    if whole is None:
+        return None
+    worst = {"loss": float((loss / size - whole["loss"]).abs()),
+             "logits": float((torch.cat(logits, 1) - whole["logits"]).abs().max()),
+             "input_grad": float((torch.cat(input_grad, 1) / size - whole["input_grad"]).abs().max())}
+    for key, grad in mine["grads"].items():
+        worst[f"grad {key}"] = float((grad / size - whole["grads"][key]).abs().max())
+    return worst
+
+
+def worker(rank: int, world: int, port: int, out: str, models: list[str] = MODELS, sizes: tuple | None = None) -> None:
+    """Each model run by N = world pieces, or by each N of `sizes` in turn, on every context group of N ranks side
+    by side (as in data x context parallel training), the groups taking turns at the models. The errors, by model
+    (by N, then model, where `sizes` is given), to `out`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    group = join_context_group(world)
+    groups = {pieces: join_context_group(pieces) for pieces in sizes or (world,)}  # on every rank, in one order
+    wholes = {}
+
+    def whole(name: str, group) -> dict | None:
+        # The first rank of a group alone runs the whole window (the others would only repeat it), eagerly: what a
+        # variant (recomputed, compiled) gives must be what the plain model gives.
+        if group.index != 0:
+            return None
+        if name not in wholes:
+            wholes[name] = run(build(name.partition(" ")[0]), windows())
+        return wholes[name]
+
     errors = {}
-    for name in models:
-        # Rank 0 alone runs the whole window, and compares (the others would only repeat it).
-        whole = run(build(name), windows()) if rank == 0 else None
-        model = build(name)
-        model.context = group
-        tokens = windows()
-        piece = torch.cat([group.piece(tokens[:, :-1]), group.piece(tokens[:, 1:])[:, -1:]], dim=1)
-        mine = run(model, piece)
-        # The loss of the window is the mean of the pieces'; its gradients are the sum over ranks of each rank's
-        # gradients of its own piece's loss, over the number of pieces.
-        loss = mine["loss"].clone()
-        dist.reduce(loss, 0)
-        logits, input_grad = ([torch.empty_like(mine[key]) for _ in range(world)] for key in ("logits", "input_grad"))
-        dist.all_gather(logits, mine["logits"])
-        dist.all_gather(input_grad, mine["input_grad"])
-        for grad in mine["grads"].values():
-            dist.reduce(grad, 0)
-        if rank != 0:
-            continue
-        worst = {"loss": float((loss / world - whole["loss"]).abs()),
-                 "logits": float((torch.cat(logits, 1) - whole["logits"]).abs().max()),
-                 "input_grad": float((torch.cat(input_grad, 1) / world - whole["input_grad"]).abs().max())}
-        for key, grad in mine["grads"].items():
-            worst[f"grad {key}"] = float((grad / world - whole["grads"][key]).abs().max())
-        errors[name] = worst
+    for pieces, group in groups.items():
+        # Each N's blocks compiled afresh for its piece's shape, as in a run: a second shape would recompile them
+        # with dynamic shapes (slowly), and a third fall past dynamo's recompile limit to eager.
+        torch._dynamo.reset()
+        replica, replicas, _ = layout(rank, world, pieces)
+        for name in models[replica::replicas]:
+            worst = compare(name, group, whole(name, group))
+            if worst is not None:
+                errors.setdefault(str(pieces), {})[name] = worst
+    found = [None] * world if rank == 0 else None
+    dist.gather_object(errors, found, dst=0)
     if rank == 0:
+        merged = {str(pieces): {name: worst for e in found for name, worst in e.get(str(pieces), {}).items()}
+                  for pieces in groups}
         with open(out, "w") as f:
-            json.dump(errors, f)
+            json.dump(merged if sizes else merged[str(world)], f)
     dist.destroy_process_group()
 
 
+def every_size(rank: int, world: int, port: int, out: str) -> None:
+    """The worker by 2 and by 4 pieces, on 4 ranks."""
+    worker(rank, world, port, out, sizes=SIZES)
+
+
 def compare_on(world: int, out, target=worker) -> dict:
-    """`target` (a worker) on `world` gloo processes: its errors against one process, by model."""
+    """`target` (a worker) on `world` gloo processes: its errors against one process, by model (or as it writes
+    them)."""
     ranks = mp.start_processes(target, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn",
                                join=False)
     deadline = time.time() + 300  # about 30 s alone; ranks whose collectives do not meet would wait for ever
@@ -128,15 +168,15 @@ def compare_on(world: int, out, target=worker) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def errors(request, tmp_path_factory) -> tuple[int, dict]:
-    return request.param, compare_on(request.param, tmp_path_factory.mktemp(f"cp{request.param}") / "errors.json")
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory) -> dict:
+    """{N: {model: its worst errors by N pieces}}, from one group of 4 processes."""
+    return compare_on(max(SIZES), tmp_path_factory.mktemp("cp") / "errors.json", every_size)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_context_parallel_equals_one_process(errors, name):
-    world, found = errors
-    worst = found[name]
+@pytest.mark.parametrize(("world", "name"), [(world, name) for world in SIZES for name in MODELS])
+def test_context_parallel_equals_one_process(errors, world, name):
+    worst = errors[str(world)][name]
     assert len(worst) > 3, "no parameter gradient was compared"
     too_far = {key: value for key, value in worst.items() if not value <= 1e-10}
     assert not too_far, f"{name} on {world} ranks differs from one process: {too_far}"

@@ -4,16 +4,14 @@ and damaged checkpoints refused."""
 
 import csv
 import shutil
-import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from strategy_runs import ONE_PROCESS, STRATEGIES, base_config, environment, lm_command, train
+from strategy_runs import EVAL_TASKS, ONE_PROCESS, STRATEGIES, base_config, environment, train, train_here
 
 from lm.cli import main
 from lm.model import LanguageModel
@@ -63,23 +61,46 @@ def runs(strategy_runs) -> dict[str, Path]:
     return strategy_runs
 
 
+def damage(run_dir: Path) -> Path:
+    """A DeepSpeed run's step-4 checkpoint with one shard truncated, and a save of step 6 that never finished: the
+    damaged checkpoint."""
+    newest = run_dir / "checkpoints" / "step=00000004.ckpt"
+    shard = next((newest / "checkpoint").glob("zero_pp_rank_1_*"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    (run_dir / "checkpoints" / "step=00000006.ckpt.tmp").mkdir()
+    return newest
+
+
 @pytest.fixture(scope="module")
 def resumed(runs, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """Each of RESUMES: a copy of its run without the step-4 checkpoint, continued to step 4: (run directory,
-    launch). Two launches at a time, as in `runs`; each test checks the launch it uses (`continued`)."""
+    launch). zero2's step-4 checkpoint is damaged instead of removed (`damage`): its continuation is also the resume
+    past a damaged checkpoint (test_damaged_checkpoint_is_refused_...). Two launches at a time, as in `runs`, and
+    meanwhile the continuations in one process in this one (train_here); each test checks the launch it uses
+    (`continued`)."""
     tmp = tmp_path_factory.mktemp("resumed")
 
-    def resume(name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        source, flags = RESUMES[name]
-        run_dir = tmp / name.replace(" ", "-")
-        shutil.copytree(runs[source], run_dir)
+    def copy(name: str) -> Path:
+        run_dir = shutil.copytree(runs[RESUMES[name][0]], tmp / name.replace(" ", "-"))
         newest = run_dir / "checkpoints" / "step=00000004.ckpt"  # a file, or a directory of shards
-        shutil.rmtree(newest) if newest.is_dir() else newest.unlink()
-        return run_dir, train(runs["config"], run_dir, *flags, check=False)
+        if name == "zero2":
+            damage(run_dir)
+        else:
+            shutil.rmtree(newest) if newest.is_dir() else newest.unlink()
+        return run_dir
 
+    def resume(name: str, environ: dict) -> tuple[Path, subprocess.CompletedProcess]:
+        run_dir = copy(name)
+        return run_dir, train(runs["config"], run_dir, *RESUMES[name][1], check=False, environ=environ)
+
+    here = [name for name, (_, flags) in RESUMES.items() if flags is ONE_PROCESS]
     with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(resume, name) for name in RESUMES}
-        return {name: future.result() for name, future in futures.items()}
+        # Each launch's environment is copied here, before this process trains (train_here).
+        futures = {name: pool.submit(resume, name, environment()) for name in RESUMES if name not in here}
+        done = {name: (run_dir, train_here(runs["config"], run_dir, *ONE_PROCESS))
+                for name, run_dir in ((name, copy(name)) for name in here)}
+        done.update({name: future.result() for name, future in futures.items()})
+    return {name: done[name] for name in RESUMES}
 
 
 def continued(resumed: dict, name: str) -> Path:
@@ -164,14 +185,13 @@ def test_the_rest_of_the_readmes_resume_matrix(runs, resumed, tmp_path, capsys, 
         assert error.strip().count("\n") == 0 and message in error and "Traceback" not in error, (name, error)
 
 
-def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path, capsys, monkeypatch):
-    damaged = tmp_path / "damaged"
-    shutil.copytree(runs["zero2"], damaged)
-    newest = damaged / "checkpoints" / "step=00000004.ckpt"
-    shard = next((newest / "checkpoint").glob("zero_pp_rank_1_*"))
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, resumed, tmp_path, capsys, monkeypatch):
+    """A ZeRO-2 checkpoint with a truncated shard (`damage`): an explicit --resume of it ends in one line, naming the
+    shard; a plain rerun warns, skips it (and a save that never finished) and resumes from the one before, writing
+    the step again, whole (the rerun: `resumed`'s zero2 continuation)."""
+    damaged = shutil.copytree(runs["zero2"], tmp_path / "damaged")
+    newest = damage(damaged)
     assert "bytes" in checkpoint_problem(newest)
-    (damaged / "checkpoints" / "step=00000006.ckpt.tmp").mkdir()  # a save that never finished
 
     # In this process: an explicit --resume is checked before any process is started (were it let through, fitting
     # would start the second process from this one: it fails the test instead).
@@ -182,11 +202,11 @@ def test_damaged_checkpoint_is_refused_and_the_previous_one_used(runs, tmp_path,
     assert explicit.strip().count("\n") == 0 and "Traceback" not in explicit
     assert "zero_pp_rank_1" in explicit
 
-    result = train(runs["config"], damaged, "--trainer.max_steps", "4", *STRATEGIES["zero2"])
+    rerun, result = continued(resumed, "zero2"), resumed["zero2"][1]
     assert "skipping checkpoint" in result.stderr
     assert "step=00000004.ckpt" in result.stderr  # it warned about the damaged one, then resumed from step 2
-    assert f"resuming from {damaged / 'checkpoints' / 'step=00000002.ckpt'}" in result.stderr
-    assert checkpoint_problem(newest) is None  # step 4 was written again, whole
+    assert f"resuming from {rerun / 'checkpoints' / 'step=00000002.ckpt'}" in result.stderr
+    assert checkpoint_problem(rerun / "checkpoints" / "step=00000004.ckpt") is None  # step 4 was written again, whole
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp2"])
@@ -207,75 +227,41 @@ def test_a_flipped_byte_in_a_shard_is_caught_and_the_previous_checkpoint_taken(r
     assert "skipping checkpoint" in capsys.readouterr().err
 
 
-def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(kjv_data, tmp_path):
-    steps = 40  # the stop lands a few steps after the first checkpoint (5)
-    config = base_config(tmp_path, kjv_data, steps=steps, ckpt_every=5)
-    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one stopped: both cores stay busy
-        uninterrupted = pool.submit(train, config, reference, *STRATEGIES["ddp"])
-        process = subprocess.Popen(lm_command("train", "--config", str(config), "--run_dir", str(stopped),
-                                              *STRATEGIES["ddp"]),
-                                   env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while not step_checkpoints(stopped / "checkpoints") and time.time() < deadline:
-            time.sleep(0.1)
-        process.send_signal(signal.SIGUSR1)
-        _, stderr = process.communicate(timeout=300)
-        uninterrupted.result()
-    assert process.returncode == STOPPED_EXIT_CODE, stderr[-2000:]
-    assert "stopped on request" in stderr
-    step = int(step_checkpoints(stopped / "checkpoints")[0].name[5:13])
-    assert 5 <= step < steps
+def test_sigusr1_checkpoints_at_a_step_boundary_and_resumes_identically(runs, tmp_path):
+    """SIGUSR1 to the launched process alone (global rank 0; the other rank is not signalled) just after step 2:
+    every rank stops at the next step boundary, step 3, with a checkpoint of it (not one of the every-2-steps ones),
+    and exits 75; the rerun continues from it to the weights of the run never stopped (the shared DDP run), bit for
+    bit. LM_FAULTS sends the notice at exactly that moment (one sent from another process could land after the last
+    of the 4 steps), through the kernel to the listener thread that takes a notice from outside; notices from outside
+    at any moment: tests/test_stops.py (one process) and tests/test_slurm.py (DDP on 2 nodes)."""
+    stopped = tmp_path / "stopped"
+    result = train(runs["config"], stopped, *STRATEGIES["ddp"], check=False, LM_FAULTS="signal@step:2@rank:0")
+    assert result.returncode == STOPPED_EXIT_CODE, result.stderr[-3000:]
+    assert "SIGUSR1: stopping at the next step with a checkpoint" in result.stderr
+    assert "stopped on request at step 3 with a checkpoint" in result.stderr
+    checkpoint = stopped / "checkpoints" / "step=00000003.ckpt"
+    assert step_checkpoints(stopped / "checkpoints")[0] == checkpoint
+    assert losses(stopped) == losses(runs["ddp"])[:3]
 
-    train(config, stopped, *STRATEGIES["ddp"])
-    a, b = exported(reference, tmp_path / "a"), exported(stopped, tmp_path / "b")
+    result = train(runs["config"], stopped, *STRATEGIES["ddp"])
+    assert f"lm train: resuming from {checkpoint}" in result.stderr
+    assert last_launch_losses(stopped) == {4: losses(runs["ddp"])[3]}
+    a, b = exported(runs["ddp"], tmp_path / "a"), exported(stopped, tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-LOCAL_TASKS = {
-    "lm_local_choice": """task: lm_local_choice
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: 0
-metric_list: [{{metric: acc, aggregation: mean, higher_is_better: true}}]
-""",
-    "lm_local_text": """task: lm_local_text
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {dir}/local.jsonl}}}}
-test_split: test
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{context}}}}{{{{choices[0]}}}}"
-metric_list: [{{metric: word_perplexity}}]
-"""}
-
-
-def test_in_loop_evaluation_under_ddp_scores_as_lm_eval_harness_on_the_checkpoint(kjv_data, tmp_path):
-    """`eval.every` on 2 DDP processes: every rank evaluates the current weights (and they agree, or the run
-    stops); the logged scores are those `lm eval harness` gives the checkpoint of the same step."""
+def test_in_loop_evaluation_under_ddp_scores_as_lm_eval_harness_on_the_checkpoint(runs, tmp_path):
+    """`eval.every` on 2 DDP processes (the shared DDP run, at its last step: strategy_runs.in_loop_eval): every rank
+    evaluates the current weights (and they agree, or the run stops); the logged scores are those `lm eval harness`
+    gives the checkpoint of the same step. The losses and weights the tests above compare are this run's."""
     import json
 
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    with open(tasks / "local.jsonl", "w") as f:
-        for context, right, wrong in [("In the beginning", " God created", " the waters"),
-                                      ("And God said,", " Let there be light", " the evening"),
-                                      ("And the evening and the morning were the", " first day", " firmament")]:
-            f.write(json.dumps({"context": context, "choices": [right, wrong]}) + "\n")
-    for name, text in LOCAL_TASKS.items():
-        (tasks / f"{name}.yaml").write_text(text.format(dir=tasks))
-    run_dir = tmp_path / "run"
-    train(base_config(tmp_path, kjv_data, steps=4, ckpt_every=4), run_dir, *STRATEGIES["ddp"], "--eval.every", "4",
-          "--eval.tasks", "[lm_local_choice, lm_local_text]", "--eval.include_path", str(tasks))
+    run_dir, tasks = runs["ddp"], runs["eval_tasks"]
     with open(next(run_dir.glob("logs/version_*/metrics.csv"))) as f:
         (logged,) = [r for r in csv.DictReader(f) if r.get("eval/lm_local_text/word_perplexity")]
     assert logged["step"] == "4"  # the row of step 4's loss
     assert main(["eval", "harness", "--checkpoint", str(run_dir / "checkpoints" / "step=00000004.ckpt"), "--tasks",
-                 "[lm_local_choice, lm_local_text]", "--include_path", str(tasks), "--out", str(tmp_path / "h")]) == 0
+                 EVAL_TASKS, "--include_path", str(tasks), "--out", str(tmp_path / "h")]) == 0
     results = json.loads((tmp_path / "h" / "results.json").read_text())["results"]
     assert float(logged["eval/lm_local_choice/acc"]) == results["lm_local_choice"]["acc,none"]
     assert float(logged["eval/lm_local_text/word_perplexity"]) == pytest.approx(

@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -251,19 +253,6 @@ def test_a_2_node_checkpoint_on_one_node_continues_or_is_refused_as_the_resume_m
     assert not (tmp_path / "zero2").exists()
 
 
-def test_a_cancelled_job_is_not_requeued(cluster, kjv_data, tmp_path):
-    run_dir = tmp_path / "run"
-    job = submit(cluster, "--", "--config", str(config_file(tmp_path, kjv_data)), "--run_dir", str(run_dir))
-    wait_for_a_checkpoint(cluster, job, run_dir)
-    subprocess.run(["scancel", job], env=cluster, check=True)
-    wait_until_ended(cluster, job)
-    time.sleep(3)  # a wrongly requeued job would be pending again by now
-    info = job_info(cluster, job)
-    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
-    assert "requeueing" not in (run_dir / "slurm" / f"job-{job}.out").read_text()
-    assert newest_checkpoint(run_dir / "checkpoints") is not None
-
-
 def test_a_stop_notice_during_startup_ends_at_once_in_one_line(kjv_data, tmp_path):
     """A preemption notice can come while Python is still importing torch: the run ends at once with one line and
     exit 75 (the job script requeues it), nothing written, rather than dying of the signal or training first."""
@@ -281,15 +270,171 @@ def test_a_stop_notice_during_startup_ends_at_once_in_one_line(kjv_data, tmp_pat
     assert not run_dir.exists()
 
 
-def test_a_term_to_every_task_checkpoints_exits_75_and_the_job_resumes(cluster, kjv_data, tmp_path):
+MISLAUNCHES = [
+    ("--ntasks=1 --wrap='srun {lm} train --config {config} --run_dir {run}'",
+     "SLURM_NTASKS is 1 but the run needs strategy.num_nodes x strategy.devices = 2 processes"),
+    ("--ntasks=2 --wrap='{lm} train --config {config} --run_dir {run}'",
+     "lm train was started without srun"),
+]
+
+
+def ladder_file(tmp: Path, kjv_data: str) -> Path:
+    """Three rungs of attention, the lr swept on the two smallest, each run a single process."""
+    (tmp / "base.yaml").write_text(f"""
+seed: 0
+model: {{vocab_size: 512, max_seq_len: 32}}
+data: {{path: {kjv_data}, seq_len: 32, micro_batch: 4, global_batch: 4, num_workers: 0, val_windows: 4}}
+optim: {{lr: 3.0e-3, warmup_steps: 5}}
+trainer: {{val_every: 1000000, ckpt_every: 20, keep_last: 2, log_every: 5, progress_bar: false}}
+strategy: {{accelerator: cpu, devices: 1}}
+""")
+    (tmp / "ladder.yaml").write_text("""
+archs: [attention]
+rungs: [1.0e5, 1.5e5, 2.2e5]
+base: base.yaml
+tokens_per_param: 0.25
+lr: {grid: [3.0e-3], sweep_rungs: 2, against: params}
+""")
+    return tmp / "ladder.yaml"
+
+
+def stop_at_its_first_checkpoint(env: dict, job: str, run_dir: Path, *scancel: str) -> None:
+    wait_for_a_checkpoint(env, job, run_dir, timeout=300)  # it may wait in the queue behind the others
+    subprocess.run(["scancel", *scancel, job], env=env, check=True)
+
+
+def preempt_the_largest_rung(env: dict, ladder: subprocess.Popen, largest: Path) -> tuple[int, str]:
+    """SIGUSR1 to the largest rung's task at its first checkpoint; the ladder's exit status and stderr."""
+    try:
+        deadline = time.time() + 300
+        while newest_checkpoint(largest / "checkpoints", warn=False) is None:
+            assert ladder.poll() is None, ladder.communicate()[1][-3000:]
+            assert time.time() < deadline, f"no checkpoint in {largest} after 300 s"
+            time.sleep(0.1)
+        task = re.findall(r'"job": "(\d+_\d+)"', (largest / "slurm" / "jobs.jsonl").read_text())[-1]
+        subprocess.run(["scancel", "--signal=USR1", task], env=env, check=True)
+        _, stderr = ladder.communicate(timeout=300)
+    finally:
+        ladder.kill()
+    return ladder.returncode, stderr
+
+
+@pytest.fixture(scope="module")
+def at_once(cluster, straight, kjv_data, tmp_path_factory, request) -> dict:
+    """The jobs of the tests below, none of which needs another's result, submitted together so that the cluster runs
+    them side by side rather than one after another (`--mem 1G` where one process will do, so that two share a
+    node); each test then waits on its own job and asserts on it alone. The ladder goes first (its stages queue one
+    after another), then the jobs to stop mid-run, which a thread stops at their first checkpoint, then the short
+    ones. What each test needs, by name; the jobs still queued at the end are cancelled."""
+    pool, jobs, entries = ThreadPoolExecutor(max_workers=3), [], {}
+
+    tmp = tmp_path_factory.mktemp("slurm-ladder")
+    out = tmp / "out"
+    ladder = subprocess.Popen([sys.executable, "-m", "lm.cli", "compare", "ladder", str(ladder_file(tmp, kjv_data)),
+                               "--out", str(out), "--where", "slurm", "--slurm", '["--mem=1G"]'], env=cluster,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    largest = out / "runs" / "attention-220k-lr0.003-seed0"  # one lr swept: the rule carries it up unchanged
+
+    def cancel_what_is_left() -> None:  # what a failed test or setup left behind
+        ladder.kill()
+        ladders = [job for path in largest.parent.glob("*/slurm/jobs.jsonl")
+                   for job in re.findall(r'"job": "([\d_]+)"', path.read_text())]
+        subprocess.run(["scancel", *jobs, *ladders], env=cluster, capture_output=True)
+        pool.shutdown(wait=False)
+
+    request.addfinalizer(cancel_what_is_left)
+    entries["ladder"] = out, largest, pool.submit(preempt_the_largest_rung, cluster, ladder, largest)
+    deadline = time.time() + 120  # until its lr sweep is in the queue, ahead of the rest
+    while not list(out.glob("runs/*/slurm/jobs.jsonl")) and ladder.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+
+    for name, config, scancel in (("term", dict(max_steps=40, ckpt_every=10), ["--signal=TERM"]),
+                                  ("cancelled", {}, [])):
+        tmp = tmp_path_factory.mktemp(f"slurm-{name}")
+        extra = ["--data.num_workers", "1"] if name == "term" else []
+        job = submit(cluster, "--", "--config", str(config_file(tmp, kjv_data, **config)), "--run_dir",
+                     str(tmp / "run"), *extra)
+        jobs.append(job)
+        entries[name] = tmp / "run", job, pool.submit(stop_at_its_first_checkpoint, cluster, job, tmp / "run",
+                                                      *scancel)
+
+    tmp = tmp_path_factory.mktemp("slurm-array")
+    config = config_file(tmp, kjv_data, devices=1, max_steps=10, ckpt_every=10)
+    sweep = tmp / "sweep.yaml"
+    sweep.write_text(f"""
+common: {{config: {config}}}
+runs:
+  - {{optim.lr: 1.0e-3, run_dir: {tmp}/lr1e-3}}
+  - {{optim.lr: 3.0e-3, run_dir: {tmp}/lr3e-3}}
+""")
+    # 1G each rather than the whole node (sbatch's default here): the two tasks run at once, as on a real cluster.
+    entries["array"] = tmp, submit(cluster, "--array", str(sweep), "--job_dir", str(tmp / "sweep"), "--mem", "1G")
+    jobs += [f"{entries['array'][1]}_{task}" for task in range(2)]
+
+    entries["eval"] = submit(cluster, "--kind", "eval", "--gpus_per_node", "0", "--mem", "1G", "--", "ppl",
+                             "--checkpoint", str(straight), "--max_windows", "8", "--out",
+                             str(straight / "eval" / "slurm-ppl"))
+    jobs.append(entries["eval"])
+
+    for launch, _ in MISLAUNCHES:
+        tmp = tmp_path_factory.mktemp("slurm-mislaunch")
+        args = launch.format(lm=f"{sys.executable} -m lm.cli", config=config_file(tmp, kjv_data), run=tmp / "run")
+        job = subprocess.run(f"sbatch --parsable --mem=1G --chdir={ROOT} --error={tmp / 'job.err'} "
+                             f"--output=/dev/null {args}", shell=True, env=cluster, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        jobs.append(job)
+        entries[launch] = tmp / "job.err", job
+
+    tmp = tmp_path_factory.mktemp("slurm-dry-run")
+    config = config_file(tmp, kjv_data, devices=1, max_steps=2, ckpt_every=2)
+    script = tmp / "printed.sbatch"
+    script.write_text(lm_here(cluster, "slurm", "submit", "--dry_run", "true", "--mem", "1G", "--", "--config",
+                              str(config), "--run_dir", str(tmp / "run")))
+    job = subprocess.run(["sbatch", "--parsable", str(script)], env=cluster, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    jobs.append(job)
+    entries["dry-run"] = tmp / "run", job
+
+    from lm.mixers import MIXERS
+
+    tmp = tmp_path_factory.mktemp("slurm-grid")
+    out, mixer = tmp / "grid", sorted(MIXERS)[0]
+    command = ["mqar-grid", "--quick", "true", "--mixers", f"[{mixer}]", "--out", str(out)]
+    tasks = lm_here(cluster, "eval", *command, "--cell", "-1").strip()
+    job = submit(cluster, "--kind", "eval", "--tasks", tasks, "--gpus_per_node", "0", "--mem", "1G", "--", *command)
+    jobs += [f"{job}_{task}" for task in range(int(tasks))]
+    entries["grid"] = out, mixer, tasks, job
+
+    tmp = tmp_path_factory.mktemp("slurm-prepare")
+    corpus = prepare_corpus(tmp)
+    printed = lm_here(cluster, "slurm", "submit", "--kind", "prepare", "--tasks", "2", "--mem", "1G", "--",
+                      "--inputs", f"[{corpus}]", "--out", str(tmp / "data"), *PREPARE).split()
+    array, merge = printed[-2:]
+    jobs += [f"{array}_0", f"{array}_1", merge]
+    entries["prepare"] = corpus, tmp / "data", array, merge, job_info(cluster, merge)["Dependency"]
+
+    return entries
+
+
+def test_a_cancelled_job_is_not_requeued(cluster, at_once):
+    """A plain scancel mid-run: the run checkpoints, and the job ends CANCELLED, not requeued."""
+    run_dir, job, stopped = at_once["cancelled"]
+    stopped.result()
+    info = wait_until_ended(cluster, job)
+    # A wrongly requeued job would be pending again 3 s after its end (EndTime is to the second: 4).
+    time.sleep(max(0.0, datetime.fromisoformat(info["EndTime"]).timestamp() + 4 - time.time()))
+    info = job_info(cluster, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    assert "requeueing" not in (run_dir / "slurm" / f"job-{job}.out").read_text()
+    assert newest_checkpoint(run_dir / "checkpoints") is not None
+
+
+def test_a_term_to_every_task_checkpoints_exits_75_and_the_job_resumes(cluster, at_once):
     """`scancel --signal=TERM` reaches every process of the job step, the data-loader workers among them: the run
     checkpoints at the next step and exits 75 (no worker dies of it), and the job script requeues it as it does for a
     preemption notice; the requeued job resumes and completes."""
-    run_dir = tmp_path / "run"
-    config = config_file(tmp_path, kjv_data, max_steps=40, ckpt_every=10)
-    job = submit(cluster, "--", "--config", str(config), "--run_dir", str(run_dir), "--data.num_workers", "1")
-    wait_for_a_checkpoint(cluster, job, run_dir)
-    subprocess.run(["scancel", "--signal=TERM", job], env=cluster, check=True)
+    run_dir, job, stopped = at_once["term"]  # 40 steps, a checkpoint every 10, a data-loader worker
+    stopped.result()
     info = wait_until_ended(cluster, job)
     err = (run_dir / "slurm" / f"job-{job}.err").read_text()
     out = (run_dir / "slurm" / f"job-{job}.out").read_text()
@@ -300,17 +445,9 @@ def test_a_term_to_every_task_checkpoints_exits_75_and_the_job_resumes(cluster, 
     assert newest_checkpoint(run_dir / "checkpoints").name == "step=00000040.ckpt"
 
 
-def test_array_of_two_configs_runs_both(cluster, kjv_data, tmp_path):
-    config = config_file(tmp_path, kjv_data, devices=1, max_steps=10, ckpt_every=10)
-    sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(f"""
-common: {{config: {config}}}
-runs:
-  - {{optim.lr: 1.0e-3, run_dir: {tmp_path}/lr1e-3}}
-  - {{optim.lr: 3.0e-3, run_dir: {tmp_path}/lr3e-3}}
-""")
-    # 1G each rather than the whole node (sbatch's default here): the two tasks run at once, as on a real cluster.
-    job = submit(cluster, "--array", str(sweep), "--job_dir", str(tmp_path / "sweep"), "--mem", "1G")
+def test_array_of_two_configs_runs_both(cluster, at_once):
+    """A sweep file of two lrs (10 steps each, one process) as an array job: each task trains its own run."""
+    tmp_path, job = at_once["array"]
     for task, lr in ((0, "1e-3"), (1, "3e-3")):
         info = wait_until_ended(cluster, f"{job}_{task}")
         run_dir = tmp_path / f"lr{lr}"
@@ -322,9 +459,8 @@ runs:
     assert "lr: 0.001" in next((tmp_path / "lr1e-3" / "slurm").glob("train-*.yaml")).read_text()
 
 
-def test_eval_job_writes_its_results_into_the_run(cluster, straight):
-    job = submit(cluster, "--kind", "eval", "--gpus_per_node", "0", "--", "ppl", "--checkpoint", str(straight),
-                 "--max_windows", "8", "--out", str(straight / "eval" / "slurm-ppl"))
+def test_eval_job_writes_its_results_into_the_run(cluster, straight, at_once):
+    job = at_once["eval"]  # lm eval ppl on the straight run
     info = wait_until_ended(cluster, job)
     assert info["JobState"] == "COMPLETED", (straight / "slurm" / f"job-{job}.err").read_text()[-3000:]
     assert (straight / "eval" / "slurm-ppl" / "ppl.json").is_file()
@@ -343,19 +479,11 @@ def test_a_run_directory_with_a_live_job_is_refused(cluster, kjv_data, tmp_path,
         subprocess.run(["scancel", held], env=cluster)
 
 
-@pytest.mark.parametrize("launch, message", [
-    ("--ntasks=1 --wrap='srun {lm} train --config {config} --run_dir {run}'",
-     "SLURM_NTASKS is 1 but the run needs strategy.num_nodes x strategy.devices = 2 processes"),
-    ("--ntasks=2 --wrap='{lm} train --config {config} --run_dir {run}'",
-     "lm train was started without srun"),
-])
-def test_a_mislaunched_training_job_ends_with_a_clear_error(cluster, kjv_data, tmp_path, launch, message):
-    lm_cli = f"{sys.executable} -m lm.cli"
-    args = launch.format(lm=lm_cli, config=config_file(tmp_path, kjv_data), run=tmp_path / "run")
-    log = tmp_path / "job.err"
-    out = subprocess.run(f"sbatch --parsable --chdir={ROOT} --error={log} --output=/dev/null {args}", shell=True,
-                         env=cluster, capture_output=True, text=True, check=True).stdout
-    info = wait_until_ended(cluster, out.strip())
+@pytest.mark.parametrize("launch, message", MISLAUNCHES)
+def test_a_mislaunched_training_job_ends_with_a_clear_error(cluster, at_once, launch, message):
+    """A 2-process run submitted with sbatch by hand (--wrap LAUNCH): one task, or two without srun."""
+    log, job = at_once[launch]
+    info = wait_until_ended(cluster, job)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     assert message in log.read_text() and "Traceback" not in log.read_text()
 
@@ -371,14 +499,9 @@ def test_a_job_script_without_srun_stops_at_once(kjv_data, tmp_path, capsys):
     assert result.stderr.startswith("lm slurm: srun is not on PATH on")
 
 
-def test_a_dry_runs_script_submitted_with_sbatch_as_printed_completes(cluster, kjv_data, tmp_path):
-    run_dir = tmp_path / "run"
-    config = config_file(tmp_path, kjv_data, devices=1, max_steps=2, ckpt_every=2)
-    script = tmp_path / "printed.sbatch"
-    script.write_text(lm_here(cluster, "slurm", "submit", "--dry_run", "true", "--mem", "1G", "--", "--config",
-                              str(config), "--run_dir", str(run_dir)))
-    job = subprocess.run(["sbatch", "--parsable", str(script)], env=cluster, capture_output=True, text=True,
-                         check=True).stdout.strip()
+def test_a_dry_runs_script_submitted_with_sbatch_as_printed_completes(cluster, at_once):
+    """`lm slurm submit --dry_run true` printed the script (2 steps, one process); sbatch submitted it as it is."""
+    run_dir, job = at_once["dry-run"]
     info = wait_until_ended(cluster, job)
     assert info["JobState"] == "COMPLETED", info
     assert f"lm slurm: job {job} restart 0" in (run_dir / "slurm" / f"job-{job}.out").read_text()
@@ -556,15 +679,12 @@ def test_eval_arrays_are_checked(args, message):
         submit_from_args(["--dry-run", *args])
 
 
-def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
+def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, at_once):
+    """The quick grid of one mixer counted its cells (`--cell -1`) and went in as an array of that many tasks."""
     from lm.eval.mqar_grid import mqar_grid
-    from lm.mixers import MIXERS
 
-    out, mixer = tmp_path / "grid", sorted(MIXERS)[0]
-    command = ["mqar-grid", "--quick", "true", "--mixers", f"[{mixer}]", "--out", str(out)]
-    tasks = lm_here(cluster, "eval", *command, "--cell", "-1").strip()
+    out, mixer, tasks, job = at_once["grid"]
     assert tasks == "2"
-    job = submit(cluster, "--kind", "eval", "--tasks", tasks, "--gpus_per_node", "0", "--mem", "1G", "--", *command)
     for task in range(2):
         info = wait_until_ended(cluster, f"{job}_{task}")
         assert info["JobState"] == "COMPLETED", (out / "slurm" / f"array-{job}_{task}.err").read_text()[-3000:]
@@ -573,41 +693,12 @@ def test_an_eval_grid_array_runs_each_cell_on_the_cluster(cluster, tmp_path):
     assert f'"job": "{job}"' in (out / "slurm" / "jobs.jsonl").read_text()
 
 
-def test_a_ladder_runs_as_arrays_and_survives_a_preempted_task(cluster, kjv_data, tmp_path):
+def test_a_ladder_runs_as_arrays_and_survives_a_preempted_task(at_once):
     """`lm compare ladder --where slurm`: the lr sweep as one array job, the rungs as another; the largest rung's task
     is preempted (SIGUSR1) mid-run, requeued, resumes from its checkpoint, and the ladder reports."""
-    (tmp_path / "base.yaml").write_text(f"""
-seed: 0
-model: {{vocab_size: 512, max_seq_len: 32}}
-data: {{path: {kjv_data}, seq_len: 32, micro_batch: 4, global_batch: 4, num_workers: 0, val_windows: 4}}
-optim: {{lr: 3.0e-3, warmup_steps: 5}}
-trainer: {{val_every: 1000000, ckpt_every: 20, keep_last: 2, log_every: 5, progress_bar: false}}
-strategy: {{accelerator: cpu, devices: 1}}
-""")
-    (tmp_path / "ladder.yaml").write_text("""
-archs: [attention]
-rungs: [1.0e5, 1.5e5, 2.2e5]
-base: base.yaml
-tokens_per_param: 0.25
-lr: {grid: [3.0e-3], sweep_rungs: 2, against: params}
-""")
-    out = tmp_path / "out"
-    ladder = subprocess.Popen([sys.executable, "-m", "lm.cli", "compare", "ladder", str(tmp_path / "ladder.yaml"),
-                               "--out", str(out), "--where", "slurm", "--slurm", '["--mem=1G"]'], env=cluster,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    largest = out / "runs" / "attention-220k-lr0.003-seed0"  # one lr swept: the rule carries it up unchanged
-    try:
-        deadline = time.time() + 240
-        while newest_checkpoint(largest / "checkpoints", warn=False) is None:
-            assert ladder.poll() is None, ladder.communicate()[1][-3000:]
-            assert time.time() < deadline, f"no checkpoint in {largest} after 240 s"
-            time.sleep(0.1)
-        task = re.findall(r'"job": "(\d+_\d+)"', (largest / "slurm" / "jobs.jsonl").read_text())[-1]
-        subprocess.run(["scancel", "--signal=USR1", task], env=cluster, check=True)
-        stdout, stderr = ladder.communicate(timeout=300)
-    finally:
-        ladder.kill()
-    assert ladder.returncode == 0, stderr[-3000:]
+    out, largest, ladder = at_once["ladder"]
+    returncode, stderr = ladder.result()
+    assert returncode == 0, stderr[-3000:]
     assert "lr-sweep: 2 of 2 runs to train (slurm)" in stderr and "rungs: 1 of 3 runs to train (slurm)" in stderr
     steps = yaml.safe_load((largest / "config.yaml").read_text())["trainer"]["max_steps"]
     assert (largest / "checkpoints" / f"step={steps:08d}.ckpt").is_file()
@@ -664,18 +755,15 @@ def test_prepare_arrays_are_checked(args, message):
         submit_from_args(["--dry-run", *args])
 
 
-def test_a_prepare_array_and_its_merge_write_the_bytes_of_one_process(cluster, tmp_path):
+def test_a_prepare_array_and_its_merge_write_the_bytes_of_one_process(cluster, at_once, tmp_path):
+    """Two tasks and a merge of the three files' `lm prepare`: the same bytes as one process writes."""
     from lm.data_prep import prepare
     from lm.data_prep.shards import sha256_file
 
-    corpus = prepare_corpus(tmp_path)
+    corpus, out, array, merge, dependency = at_once["prepare"]
+    assert dependency.startswith(f"afterok:{array}_*")  # read at submission: the array ends in well over 0.1 s
     digests = lambda d: {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file()}  # noqa: E731
     prepare([str(corpus)], str(tmp_path / "one"), vocab_size=300, shard_tokens=40000, progress=False)
-    out = tmp_path / "data"
-    printed = lm_here(cluster, "slurm", "submit", "--kind", "prepare", "--tasks", "2", "--mem", "1G", "--",
-                      "--inputs", f"[{corpus}]", "--out", str(out), *PREPARE).split()
-    array, merge = printed[-2:]
-    assert job_info(cluster, merge)["Dependency"].startswith(f"afterok:{array}_*")  # the array ends in well over 0.1 s
     for job, log in ((f"{array}_0", f"array-{array}_0"), (f"{array}_1", f"array-{array}_1"), (merge, f"job-{merge}")):
         info = wait_until_ended(cluster, job, timeout=120)
         assert info["JobState"] == "COMPLETED", (out / "slurm" / f"{log}.err").read_text()[-3000:]
