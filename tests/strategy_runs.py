@@ -62,7 +62,7 @@ def write_local_tasks(folder: Path) -> Path:
 
 def in_loop_eval(tasks: Path) -> list[str]:
     """The flags of the DDP run's in-loop evaluation: at step 4, its last, after its loss and before its checkpoint
-    (neither the losses nor the weights change; the step-4 checkpoint's random states are those lm-eval seeds)."""
+    (the losses, weights and random states do not change: tests/test_in_loop_eval.py)."""
     return ["--eval.every", "4", "--eval.tasks", EVAL_TASKS, "--eval.include_path", str(tasks)]
 
 

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from lm.training.config import InLoopEvalConfig, RunConfig
+from lm.training.rng import rng_state, set_rng_state
 from lm.util.errors import UserError
 
 
@@ -85,10 +86,16 @@ class InLoopEval(L.Callback):
         harness = LMHarness(model=model, tokenizer=Tokenizer.from_file(str(self.run_dir / "tokenizer.json")),
                             batch_size=self.cfg.batch_size, device=str(pl_module.device))
         # lm-eval returns results only where LOCAL_RANK is 0 (it takes any other for a tensor-parallel worker); here
-        # every rank is a whole evaluator of its own.
-        with mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}):
-            results = lm_eval.simple_evaluate(model=harness, tasks=self.tasks, task_manager=self.task_manager,
-                                              limit=self.cfg.limit, bootstrap_iters=0, verbosity="ERROR")["results"]
+        # every rank is a whole evaluator of its own. It seeds Python's, NumPy's and torch's generators: the run goes
+        # on with its own streams, as a run that is not evaluated does.
+        state, devices = rng_state(), [pl_module.device] if pl_module.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), mock.patch.dict(os.environ, {"LOCAL_RANK": "0"}):
+                results = lm_eval.simple_evaluate(model=harness, tasks=self.tasks, task_manager=self.task_manager,
+                                                  limit=self.cfg.limit, bootstrap_iters=0,
+                                                  verbosity="ERROR")["results"]
+        finally:
+            set_rng_state(state)
         model.train(was_training)
         scores = {f"eval/{task}/{metric.split(',')[0]}": float(value) for task, metrics in results.items()
                   for metric, value in metrics.items() if isinstance(value, (int, float)) and "stderr" not in metric}
