@@ -77,9 +77,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     whole_files = not config.option.keyword and not any("::" in arg for arg in config.args)
     if hasattr(config, "workerinput") or not _spent or not whole_files or session.shouldstop or session.shouldfail:
         return  # a worker, nothing ran, part of a file ran, or the run stopped early (its times would be short)
+    merged = {**recorded_durations(), **{name: round(seconds, 1) for name, seconds in _spent.items()}}
     here = DURATIONS.parent  # a file since removed or renamed drops out of the record
-    kept = {name: seconds for name, seconds in recorded_durations().items() if (here / name).is_file()}
-    DURATIONS.write_text(json.dumps({**kept, **{k: round(v, 1) for k, v in _spent.items() if (here / k).is_file()}},
+    DURATIONS.write_text(json.dumps({name: seconds for name, seconds in merged.items() if (here / name).is_file()},
                                     indent=1, sort_keys=True) + "\n")
 
 
