@@ -10,12 +10,12 @@ from torch.utils.data import DataLoader
 
 from lm.training.data import (
     DataConfig,
-    TokenDataModule,
     TokenStream,
     TrainWindows,
     ValidationWindows,
     count_windows,
 )
+from lm.training.data_module import TokenDataModule
 from lm.util.errors import UserError
 
 SEQ = 64

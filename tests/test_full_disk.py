@@ -20,8 +20,8 @@ import pytest
 from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command
 
 from lm.cli import main
-from lm.training.checkpoint import _disk_refuses
 from lm.training.consolidate import consolidate
+from lm.training.step_checkpoint import _disk_refuses
 from lm.util.errors import WRITE_FAILED_EXIT_CODE
 
 FIRST, FULL = "step=00000002.ckpt", "step=00000004.ckpt"

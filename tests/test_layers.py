@@ -122,3 +122,35 @@ def test_no_circles():
         if module not in index:
             visit(module)
     assert not circles, f"modules that import each other in a circle: {circles}"
+
+
+def imported_on_load(module: str) -> set[str]:
+    """Every module that importing `module` imports at once (the statements at the top of its file and of the files
+    it loads, their packages' __init__ included, not those inside functions): lm's by name, others by their top
+    package."""
+    done, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        done.add(name)
+        todo += [name.rpartition(".")[0]] if "." in name else []  # the package's __init__ runs first
+        if name not in MODULES:
+            continue
+        for node in ast.parse(MODULES[name].read_text()).body:
+            if isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                todo += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names
+                                         if f"{node.module}.{alias.name}" in MODULES]
+    return {name if name.startswith("lm") else name.split(".")[0] for name in done}
+
+
+@pytest.mark.parametrize("module", ["lm.eval.ppl", "lm.eval.harness", "lm.export", "lm.generate", "lm.slurm.status"])
+def test_reading_a_checkpoint_does_not_load_lightning(module):
+    """Evaluation, export, generation and `lm slurm status` read checkpoints and data without Lightning, whose import
+    (torchmetrics, which pulls in transformers, scipy and matplotlib; torch._dynamo) costs each process about 2.5 s:
+    the writer is lm.training.step_checkpoint, the data module lm.training.data_module."""
+    loaded = imported_on_load(module)
+    assert "lm.training.checkpoint" in loaded  # each reads checkpoints through it
+    assert not {"lightning", "pytorch_lightning"} & loaded, sorted(m for m in loaded if m.startswith("lm"))

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader
 from lm.cli import main
 from lm.data_prep.prepare import prepare
 from lm.training.config import parse_run_config
-from lm.training.data import DataConfig, TokenDataModule, TokenStream, TrainWindows, ValidationWindows
+from lm.training.data import DataConfig, TokenStream, TrainWindows, ValidationWindows
+from lm.training.data_module import TokenDataModule
 from lm.training.mixture import PERIOD, MixtureSchedule
 from lm.training.train import train
 from lm.util.errors import UserError

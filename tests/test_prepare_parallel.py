@@ -279,7 +279,7 @@ def test_parts_of_another_plan_are_refused(small, capsys):
 
 def test_lm_train_reads_the_mixture_a_recipe_writes(recipe_out, tmp_path):
     from lm.training.config import parse_run_config
-    from lm.training.data import TokenDataModule
+    from lm.training.data_module import TokenDataModule
 
     base = tmp_path / "base.yaml"
     base.write_text("data: {seq_len: 16, micro_batch: 2, num_workers: 0, val_windows: 1}\n")

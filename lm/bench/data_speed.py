@@ -1,9 +1,9 @@
 """Is the data path ever the bottleneck? (`lm bench data`)
 
-1. The training data loader (lm.training.data.TokenDataModule, as `lm train` builds it) against what training consumes:
-   its tokens/s over a training step's tokens/s of a model, both measured here. Once on the directory alone, and once
-   as a mixture of seven sources at SlimPajama's weights (the same directory under seven names: the same reads, plus
-   the mixture's bookkeeping and its jumps between sources).
+1. The training data loader (lm.training.data_module.TokenDataModule, as `lm train` builds it) against what training
+   consumes: its tokens/s over a training step's tokens/s of a model, both measured here. Once on the directory
+   alone, and once as a mixture of seven sources at SlimPajama's weights (the same directory under seven names: the
+   same reads, plus the mixture's bookkeeping and its jumps between sources).
 2. data_prep's tokenizing stage (lm.data_prep.parallel.tokenized in this process: batches through the Rust thread
    pool into token arrays) against `tokenizers`' own `encode_batch` on the same documents with the same tokenizer; and
    the whole `lm prepare` (read, tokenize, shuffle, write shards) for scale.
@@ -31,7 +31,8 @@ from lm.data_prep.shards import load_manifest
 from lm.data_prep.sources import iter_documents
 from lm.data_prep.tokenizer import load_tokenizer, separator
 from lm.model import LMConfig
-from lm.training.data import DataConfig, TokenDataModule
+from lm.training.data import DataConfig
+from lm.training.data_module import TokenDataModule
 from lm.util.errors import UserError
 
 SLIMPAJAMA_WEIGHTS = (0.522, 0.267, 0.052, 0.042, 0.046, 0.038, 0.033)  # configs/data/slimpajama.yaml

@@ -62,7 +62,7 @@ def run_one(argv: list[str]) -> None:
     from lm.training.callbacks.graceful_stop import GracefulStop
     from lm.training.callbacks.stability import StabilityMonitor
     from lm.training.config import parse_run_config
-    from lm.training.data import TokenDataModule
+    from lm.training.data_module import TokenDataModule
     from lm.training.module import LMModule
     from lm.training.train import batch_plan, build_trainer
 

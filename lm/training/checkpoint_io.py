@@ -3,8 +3,8 @@
 Lightning's own TorchCheckpointIO serialises the whole checkpoint into memory and stages it in the system temp
 directory before copying it into place: a 1B model's 12 GB with AdamW's states would cost that much more host memory
 on rank 0, and as much again in a node's temp directory, which is often small or held in RAM. lm writes under a
-temporary name beside the final one and renames it once whole (lm.training.checkpoint.StepCheckpoint), so that
-staging buys nothing: here torch.save streams straight into the file Lightning names. Reading is data only
+temporary name beside the final one and renames it once whole (lm.training.step_checkpoint), so that staging buys
+nothing: here torch.save streams straight into the file Lightning names. Reading is data only
 (lm.training.data_only).
 """
 

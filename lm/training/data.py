@@ -11,20 +11,19 @@ Under context parallelism (strategy.context_parallel N) "rank" and "world" here 
 
 A mixture (data.sources) has one such stream per source, each with its own epochs and permutations (source i > 0
 seeded by (seed, e, i)); lm.training.mixture says which source, and which of its positions, each global position
-reads. `data.path` is a mixture of one, and reads exactly as above.
+reads. `data.path` is a mixture of one, and reads exactly as above. Lightning's data module over these streams is
+lm.training.data_module's.
 """
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lm.data_prep.shards import load_manifest, open_split
-from lm.mixers.context_parallel import layout
 from lm.training.mixture import MixtureSchedule
 from lm.util.errors import UserError
 
@@ -249,77 +248,6 @@ def check_validation(stream: TokenStream, seq_len: int) -> None:
                         "set data.val_windows 0 to train without validation")
 
 
-class TokenDataModule(L.LightningDataModule):
-    """Training and validation loaders over prepared shards, one stream per source of the mixture; its checkpointed
-    state is the windows consumed."""
-
-    def __init__(self, cfg: DataConfig, context_parallel: int = 1):
-        super().__init__()
-        self.cfg = cfg
-        self.windows_consumed = 0
-        self.context_parallel = context_parallel  # ranks that share each window (strategy.context_parallel)
-        self.sources = cfg.mixture()
-        self.train_streams = [TokenStream(s.path, "train", verify=cfg.verify) for s in self.sources]
-        check_one_tokenizer(self.sources, [stream.manifest for stream in self.train_streams])
-        self.val_streams = [TokenStream(s.path, "validation", verify=False)  # verified with the train split
-                            for s in self.sources]
-        self.schedule = MixtureSchedule([s.weight for s in self.sources])
-        for stream in self.train_streams:
-            if count_windows(stream.total, cfg.seq_len) == 0:
-                raise UserError(f"{stream.directory}: {stream.total} training tokens is less than one window of "
-                                f"seq_len + 1 = {cfg.seq_len + 1}")
-        if cfg.val_windows != 0:
-            for stream in self.val_streams:
-                check_validation(stream, cfg.seq_len)
-
-    @property
-    def manifest(self) -> dict:
-        """The first source's manifest: its tokenizer is every source's."""
-        return self.train_streams[0].manifest
-
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self.sources]
-
-    def tokens_per_source(self, windows: int) -> dict[str, int]:
-        """Training tokens each source has given after `windows` windows of the stream."""
-        counts = self.schedule.counts(windows) * self.cfg.seq_len
-        return dict(zip(self.names, (int(c) for c in counts), strict=True))
-
-    @property
-    def replica(self) -> tuple[int, int]:
-        """(this rank's data-parallel rank, the data-parallel size): the ranks of a context group (consecutive
-        ranks, lm.mixers.context_parallel.layout) read the same windows."""
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return layout(rank, world, self.context_parallel)[:2]
-
-    def train_dataloader(self):
-        rank, replicas = self.replica
-        dataset = TrainWindows(self.train_streams, self.cfg.seq_len, self.cfg.micro_batch, self.cfg.seed,
-                               self.windows_consumed, rank, replicas, self.schedule)
-        return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers,
-                          persistent_workers=False)
-
-    def val_dataloader(self):
-        """One loader per source (a single one for a mixture of one). Lightning spreads the windows over the ranks;
-        under context parallelism they are spread over the replicas here, each context group sharing its own."""
-        rank, replicas = self.replica
-        sampler = lambda windows: (DistributedSampler(windows, replicas, rank, shuffle=False)  # noqa: E731
-                                   if self.context_parallel > 1 else None)
-        loaders = []
-        for stream in self.val_streams:
-            windows = ValidationWindows(stream, self.cfg.seq_len, self.cfg.val_windows)
-            loaders.append(DataLoader(windows, batch_size=self.cfg.micro_batch, shuffle=False, num_workers=0,
-                                      sampler=sampler(windows)))
-        return loaders[0] if len(loaders) == 1 else loaders
-
-    def state_dict(self):
-        return {"windows_consumed": self.windows_consumed}
-
-    def load_state_dict(self, state):
-        self.windows_consumed = int(state["windows_consumed"])
-
-
 def check_one_tokenizer(sources: list[DataSource], manifests: list[dict]) -> None:
     """Every source must have been prepared with the first source's tokenizer (the same tokenizer.json bytes)."""
     first = manifests[0]["tokenizer"]["sha256"]
@@ -329,11 +257,3 @@ def check_one_tokenizer(sources: list[DataSource], manifests: list[dict]) -> Non
                             f"{sources[0].path} (tokenizer.json sha256 {manifest['tokenizer']['sha256'][:12]} vs "
                             f"{first[:12]}): prepare every source with one, e.g. lm prepare --tokenizer "
                             f"{sources[0].path}/tokenizer.json")
-
-
-class CountConsumedWindows(L.Callback):
-    """Advances the data module's position after every training batch of every rank, before a checkpoint
-    of that step is written (Lightning runs checkpoint callbacks after the others)."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.datamodule.windows_consumed += batch.shape[0] * trainer.datamodule.replica[1]

@@ -124,7 +124,7 @@ class LMModule(L.LightningModule):
 
     @property
     def source_names(self) -> list[str]:
-        """The names of the data's sources (lm.training.data.TokenDataModule); one name for a single source."""
+        """The names of the data's sources (lm.training.data_module.TokenDataModule); one name for a single source."""
         return getattr(self.trainer.datamodule, "names", [""])
 
     def on_validation_epoch_start(self):

@@ -29,16 +29,18 @@ from lm.training.callbacks.source_tokens import LogSourceTokens
 from lm.training.callbacks.spent_flops import SpentFlops
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.callbacks.throughput import Throughput
-from lm.training.checkpoint import StepCheckpoint, newest_checkpoint, require_usable
+from lm.training.checkpoint import newest_checkpoint, require_usable
 from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
 from lm.training.config import RunConfig
 from lm.training.console import quiet_known_noise
 from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
-from lm.training.data import CountConsumedWindows, TokenDataModule, count_windows
+from lm.training.data import count_windows
+from lm.training.data_module import CountConsumedWindows, TokenDataModule
 from lm.training.data_only import reading_data_only, require_data_only
 from lm.training.launch_guard import RunDirLock, check_launch
 from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
+from lm.training.step_checkpoint import StepCheckpoint
 from lm.training.stop_request import StoppedForRequeue
 from lm.training.strategy import StrategyConfig, build_strategy
 from lm.util.errors import Diverged, UserError
