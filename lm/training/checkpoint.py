@@ -4,8 +4,8 @@ Every rank writes into `step=N.ckpt.tmp`; once all have finished, rank 0 records
 and sha256, in a manifest (`lm-checkpoint.json` inside a directory of shards; `step=N.ckpt.lm-checkpoint.json`
 beside a single file), flushes it to disk and renames the checkpoint to `step=N.ckpt`. So a checkpoint under its final
 name was complete when written; `checkpoint_problem` checks that every byte is still what was written before a resume,
-an export or an evaluation uses it. The writing is lm.training.step_checkpoint's; this module, which readers import,
-needs neither torch nor Lightning until a model is loaded.
+an export or an evaluation uses it. The writing is lm.training.step_checkpoint's: this module, which the readers
+import, does not import Lightning.
 """
 
 import json
