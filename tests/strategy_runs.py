@@ -120,23 +120,28 @@ def train(config: Path, run_dir: Path, *flags: str, check: bool = True, environ:
     return lm("train", "--config", str(config), "--run_dir", str(run_dir), *flags, check=check, environ=environ, **env)
 
 
-def train_here(config: Path, run_dir: Path, *flags: str) -> subprocess.CompletedProcess:
-    """`lm train` in one process, in this one (main(), as the command line runs it, in one thread as the launches):
-    a launch of its own would spend most of its time importing torch and Lightning again. Its exit status and
-    stderr. In the main thread (it handles the stop signals there); launches that run meanwhile from other threads
-    take an environment copied before (environ=environment()): lm sets and removes variables of this process's
-    while it trains."""
+def train_here(config: Path, run_dir: Path, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    """`lm train` in one process, in this one (main(), as the command line runs it, in one thread as the launches,
+    with env added to the environment): a launch of its own would spend most of its time importing torch and
+    Lightning again. Its exit status and stderr. In the main thread (it handles the stop signals there). The
+    environment is put back after, key by key: lm sets and removes variables of this process's while it trains
+    (Lightning records its seed there), and a launch may be reading it meanwhile from another thread, or take a copy
+    made before (environ=environment())."""
     import torch
 
     from lm.cli import main
 
-    argv, err, threads = ["train", "--config", str(config), "--run_dir", str(run_dir), *flags], io.StringIO(), \
-        torch.get_num_threads()
+    argv, err = ["train", "--config", str(config), "--run_dir", str(run_dir), *flags], io.StringIO()
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.update(env, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stderr(err):
             code = main(argv)
     finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update({key: value for key, value in saved.items() if os.environ.get(key) != value})
         torch.set_num_threads(threads)
     return subprocess.CompletedProcess(argv, code, "", err.getvalue())
 

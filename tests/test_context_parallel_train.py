@@ -5,10 +5,7 @@ once; a stop notice checkpoints, and the run resumes exactly on its own layout o
 of one process each, started by hand, log the one-process loss at every step too (plain DDP on 2 processes launched by
 Lightning is compared with one process in tests/test_scale_out.py)."""
 
-import contextlib
 import csv
-import io
-import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from strategy_runs import environment, lm_command, train
+from strategy_runs import environment, lm_command, train, train_here
 from test_scale_out import exported, last_launch_losses
 
 from lm.accounting.flops import forward_flops_per_token
@@ -66,20 +63,6 @@ def logged(run_dir: Path, key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for launch in rows(run_dir) for r in launch if r.get(key)}
 
 
-def train_here(config: Path, run_dir: Path) -> None:
-    """`lm train` on one process, in this one (no process to start); the environment put back after (Lightning
-    records its seed there, which the launches after it would inherit)."""
-    err, saved = io.StringIO(), dict(os.environ)
-    try:
-        with contextlib.redirect_stderr(err):
-            code = main(["train", "--config", str(config), "--run_dir", str(run_dir)])
-    finally:  # key by key: a launch may be reading the environment meanwhile, from the other thread
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update({key: value for key, value in saved.items() if os.environ.get(key) != value})
-    assert code == 0, err.getvalue()[-3000:]
-
-
 @pytest.fixture(scope="module")
 def runs(kjv_data, tmp_path_factory, one_thread) -> dict:
     """The run on one process; on 2 x 2 processes, stopped by a notice during step 2 (it checkpoints at the step's
@@ -109,11 +92,13 @@ def runs(kjv_data, tmp_path_factory, one_thread) -> dict:
 
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(stopped_then_resumed)
-        train_here(cfg, tmp / "single")
+        single = train_here(cfg, tmp / "single")
+        assert single.returncode == 0, single.stderr[-3000:]
         nodes = nodes_by_hand()
         stopped, checkpoints = first.result()
         resumed = pool.submit(train, cfg, tmp / "cp", *DATA_X_CONTEXT)
-        train_here(cfg, tmp / "cp-then-one")
+        one = train_here(cfg, tmp / "cp-then-one")
+        assert one.returncode == 0, one.stderr[-3000:]
         resumed = resumed.result()
     return {"config": cfg, "single": tmp / "single", "cp": tmp / "cp", "cp-then-one": tmp / "cp-then-one",
             "nodes": tmp / "nodes", "nodes_launches": nodes, "stopped": stopped,

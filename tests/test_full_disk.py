@@ -7,9 +7,7 @@ through LM_FAULTS (enospc@step:N), which fails a write once part of the file is 
 rank alone (@rank:R) for DDP's file (rank 0 writes it while rank 1 waits) and for DeepSpeed's shards (rank 1's fails,
 rank 0's succeeds: rank 0 must not wait for rank 1 in DeepSpeed's own barrier)."""
 
-import contextlib
 import errno
-import io
 import os
 import shutil
 import signal
@@ -17,9 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command
+from strategy_runs import ONE_PROCESS, STRATEGIES, environment, lm_command, train_here
 
-from lm.cli import main
 from lm.training.consolidate import consolidate
 from lm.training.step_checkpoint import _disk_refuses
 from lm.util.errors import WRITE_FAILED_EXIT_CODE
@@ -32,7 +29,7 @@ def train(config: Path, run_dir: Path, flags: list[str], timeout: int = 600, **e
     test at `timeout`, and all are killed). One process (ONE_PROCESS) runs in this one, as the command line runs it
     (main()): a launch of its own would spend most of its time importing torch and Lightning again."""
     if flags is ONE_PROCESS:
-        return train_here(config, run_dir, flags, **env)
+        return train_here(config, run_dir, *flags, **env)
     command = lm_command("train", "--config", str(config), "--run_dir", str(run_dir), *flags)
     process = subprocess.Popen(command, env={**environment(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
@@ -42,25 +39,6 @@ def train(config: Path, run_dir: Path, flags: list[str], timeout: int = 600, **e
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"a rank still waits after {timeout} s:\n{process.communicate()[1][-3000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def train_here(config: Path, run_dir: Path, flags: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`lm train` in this process, in one thread (as the launches of tests/strategy_runs.py, whose weights the
-    resumes must match bit for bit): its exit status and stderr. The environment is put back after."""
-    import torch
-
-    argv, err = ["train", "--config", str(config), "--run_dir", str(run_dir), *flags], io.StringIO()
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    os.environ.update(env, OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        torch.set_num_threads(threads)
-    return subprocess.CompletedProcess(argv, code, "", err.getvalue())
 
 
 def assert_ends_in_one_line(result: subprocess.CompletedProcess, run_dir: Path) -> None:
