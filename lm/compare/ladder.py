@@ -49,6 +49,7 @@ from lm.compare.ladder_plan import (
     sweep_runs,
     swept,
 )
+from lm.compare.ladder_records import check_code
 from lm.compare.lr_transfer import LrRule, best_lr, fit_rule, widening
 from lm.compare.plan import load_base, run_config, sequences_per_step
 from lm.util.errors import Diverged, UserError
@@ -93,7 +94,7 @@ def lr_sweeps(spec: LadderSpec, rungs: dict[str, list[Rung]], names: dict[str, s
     """Each architecture's swept rungs (sweep_record), trained through `stage(runs, name)` (False: submitted, not
     waited for: then None). `names`: label -> the architecture as the file writes it. With lr.grid, every swept rung
     in one stage; else rung by rung, each widened where its best lr lies at an end, up to lr.widen lrs a side."""
-    seed = spec.seeds[0]
+    seed = spec.sweep_seed
     sweeps = {arch: [] for arch in rungs}
 
     def losses(rung: Rung, lrs: list[float]) -> dict[float, float]:
@@ -144,8 +145,8 @@ def lr_rules(spec: LadderSpec, sweeps: dict[str, list[dict]]) -> dict[str, dict]
 
 
 def main_runs(spec: LadderSpec, rungs: dict[str, list[Rung]], rules: dict[str, dict]) -> list[Run]:
-    """Every rung at every seed: a swept size at its sweep's best lr (iso-FLOP: every budget of that size), any other
-    at the rule's lr."""
+    """Every rung at every seed, each a fresh run (the sweep trains at its own seed): a swept size at its sweep's best
+    lr (iso-FLOP: every budget of that size), any other at the rule's lr."""
     runs = []
     for arch, arch_rungs in rungs.items():
         best = {s["target"]: s["best_grid_lr"] for s in rules[arch]["sweeps"]}
@@ -165,9 +166,22 @@ def choose_runs(spec: LadderSpec, base, batch: int) -> tuple[dict[str, list[Rung
     return rungs, [Run(rs[0], c.lr, seed) for rs in rungs.values() for seed in c.seeds]
 
 
+def welch_interval(first: list[float], second: list[float], level: float) -> tuple[float, float]:
+    """The `level` interval of mean(first) - mean(second): Student's t at Welch-Satterthwaite's degrees of freedom."""
+    from lm.compare.ladder_verdicts import t_quantile, welch_df
+
+    terms = [(statistics.variance(x) / len(x), len(x) - 1) for x in (first, second)]
+    gap = statistics.fmean(first) - statistics.fmean(second)
+    var = sum(v for v, _ in terms)
+    half = t_quantile((1 + level) / 2, welch_df(terms)) * math.sqrt(var) if var > 0 else 0.0
+    return gap - half, gap + half
+
+
 def choice(spec: LadderSpec, rungs: dict[str, list[Rung]], out: Path) -> dict:
-    """The smallest value of the option whose mean final loss is at most the reference's mean plus the spread of the
-    reference's seeds (max - min); every value's losses, mean and spread."""
+    """The smallest value of the option shown to be at most `tolerance` above the reference: the upper end of the
+    Welch interval of its mean loss minus the reference's lies below the tolerance (the reference itself when none
+    is); every value's losses, mean, spread and interval, and whether the choice was made at the largest rung that
+    uses it."""
     c, rows = spec.choose, []
     for value, rs in zip(c.values, rungs.values()):
         losses = [final_loss(run_dir(out, Run(rs[0], c.lr, seed))) for seed in c.seeds]
@@ -176,10 +190,15 @@ def choice(spec: LadderSpec, rungs: dict[str, list[Rung]], out: Path) -> dict:
                      "mean": statistics.fmean(losses) if finite else math.inf,
                      "spread": max(losses) - min(losses) if finite else math.inf})
     reference = next(r for r in rows if r["value"] == c.reference)
-    bound = reference["mean"] + reference["spread"]
-    chosen = next((r["value"] for r in rows if r["mean"] <= bound), c.reference)
-    return {"arch": c.arch, "option": c.option, "reference": c.reference, "lr": c.lr, "bound": bound,
-            "chosen": chosen, "rows": rows}
+    for row in rows:
+        shown = row["value"] != c.reference and math.isfinite(row["mean"]) and math.isfinite(reference["mean"])
+        row["interval"] = welch_interval(row["losses"], reference["losses"], spec.level) if shown else None
+        row["within"] = row["value"] == c.reference or bool(shown and row["interval"][1] < c.tolerance)
+    chosen = next(r["value"] for r in rows if r["within"])
+    largest = max(spec.rungs)
+    return {"arch": c.arch, "option": c.option, "reference": c.reference, "lr": c.lr, "tolerance": c.tolerance,
+            "level": spec.level, "chosen": chosen, "rows": rows, "rung": c.rung, "largest_rung": largest,
+            "confirmed": c.rung >= largest}
 
 
 def run_dir(out: Path, run: Run) -> Path:
@@ -196,9 +215,10 @@ def ended(out: Path, run: Run) -> bool:
     return (path / "checkpoints" / f"step={run.rung.steps:08d}.ckpt").exists() or (path / DIVERGED).is_file()
 
 
-def write_config(out: Path, run: Run, raw: dict, base, batch: int, data: str | None) -> Path:
+def write_config(out: Path, run: Run, raw: dict, base, batch: int, data: str | None, data_seed: int | None) -> Path:
     config = run_config(raw, base, {"model": run.rung.model, "steps": run.rung.steps}, run.lr, run.seed, batch,
                         base.data.seq_len, run_dir(out, run).resolve())
+    config["data"]["seed"] = data_seed  # None: the run's own seed orders its data
     config["trainer"]["val_every"] = run.rung.val_every
     if run.rung.micro_batch is not None:
         config["data"]["micro_batch"] = run.rung.micro_batch
@@ -347,10 +367,11 @@ def run_probes(spec: LadderSpec, runs: list[Run], out: Path, workers: int) -> No
         run_locally(jobs, out, workers, done)
 
 
-def prepared(spec: LadderSpec, out: Path) -> tuple[str | None, Path | None]:
+def prepared(spec: LadderSpec, out: Path, seq_len: int) -> tuple[str | None, Path | None]:
     """(the data folder the runs read, a temporary folder holding it) when the ladder file asks for the bundled
-    corpus: OUT/data where an earlier call prepared it, else prepared into a temporary folder, which moves to OUT/data
-    once the plan is accepted (a refused plan, or a dry run, writes nothing)."""
+    corpus, its validation held out in windows of the runs' `seq_len`: OUT/data where an earlier call prepared it,
+    else prepared into a temporary folder, which moves to OUT/data once the plan is accepted (a refused plan, or a dry
+    run, writes nothing)."""
     if not spec.prepare:
         return None, None
     if (out / "data" / "manifest.json").is_file():
@@ -361,7 +382,7 @@ def prepared(spec: LadderSpec, out: Path) -> tuple[str | None, Path | None]:
     print(f"lm compare ladder: preparing the bundled corpus at a {spec.prepare['vocab_size']}-token BPE, to count "
           f"its tokens against the plan", file=sys.stderr)
     prepare([str(BUNDLED_CORPUS)], str(temporary / "data"), vocab_size=int(spec.prepare["vocab_size"]),
-            progress=False)
+            seq_len=seq_len, progress=False)
     return str(temporary / "data"), temporary
 
 
@@ -408,7 +429,7 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
     rungs = plan_rungs(spec, base, batch)
     check_probes(spec)
     check_rule_can_fit(spec, rungs)  # both before preparing the corpus
-    data, temporary = prepared(spec, out_dir)
+    data, temporary = prepared(spec, out_dir, base.data.seq_len)
     try:
         corpus = corpus_of(data, raw, base.data.seq_len)
         if spec.prepare:
@@ -419,6 +440,7 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
             print(gpu_hours_table(spec, rungs), end="")
         if dry_run:
             return out_dir
+        check_code(sorted((out_dir / "runs").glob("*")), spec.allow_mixed_code, str(spec.path), training=False)
         if where == "slurm":
             from lm.slurm import scheduler
 
@@ -432,8 +454,10 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
             shutil.rmtree(temporary, ignore_errors=True)
 
     def stage(runs: list[Run], name: str) -> bool:
+        if any(not ended(out_dir, run) for run in runs):  # this code trains them: it must be the other runs' code
+            check_code(sorted((out_dir / "runs").glob("*")), spec.allow_mixed_code, str(spec.path), training=True)
         for run in runs:
-            write_config(out_dir, run, raw, base, batch, data)
+            write_config(out_dir, run, raw, base, batch, data, spec.data_seed)
         return execute(runs, out_dir, name, where, workers, slurm or [], wait)
 
     record = {"file": str(spec.path), "corpus_tokens": corpus.tokens}
@@ -443,8 +467,9 @@ def ladder(file: str, out: str = "runs/ladder", where: Literal["local", "slurm"]
         if not stage(runs, "choose"):
             return out_dir
         chosen = choice(spec, candidates, out_dir)
-        print(f"lm compare ladder: choose: {spec.choose.option} {chosen['chosen']} for {spec.choose.arch} (mean loss "
-              f"within {chosen['bound']:.4f}, the reference's mean plus its seeds' spread)", file=sys.stderr)
+        print(f"lm compare ladder: choose: {spec.choose.option} {chosen['chosen']} for {spec.choose.arch} (the "
+              f"smallest shown within {spec.choose.tolerance:g} nats of {spec.choose.option} {spec.choose.reference})",
+              file=sys.stderr)
         rungs = plan_rungs(spec, base, batch, [resolved(n, spec.choose, chosen["chosen"]) for n in spec.archs])
         record["choice"] = chosen
     names = dict(zip(rungs, spec.archs))  # label -> the architecture as the file writes it

@@ -9,15 +9,18 @@ runs; configs/ladder/ has examples.
     tokens_per_param: 20                       # the budget of each rung ...
     budgets: null                              # ... or total FLOPs per run: every rung at every budget (iso-FLOP)
     lr: {start: 4.0e-3, factors: [0.5, 1, 2], against: width, slope: null, widen: 3}   # a sweep at every rung
-    seeds: [0, 1]
+    sweep_seed: 0                              # the seed the lr sweep trains at (not one of seeds)
+    seeds: [1, 2, 3]                           # fresh runs at each rung's chosen lr
+    data_seed: null                            # null: each run orders the data by its own seed; N: one order for all
+    allow_mixed_code: false                    # true: runs whose records name different lm code may share a report
     probes: [[ppl], [longctx, --probes, "[passkey]"]]   # lm eval commands run on each finished run's checkpoint
     target_compute: 1.0e21                     # where the fitted curves are read, labelled as extrapolated
     level: 0.9                                 # of the intervals
     bootstrap: 1000                            # replicates
     repeat_data: false                         # true: a run may read its corpus more than once (epochs said)
     prepare: {vocab_size: 512}                 # optional: the bundled corpus, prepared into OUT/data, as the data
-    choose: {arch: mesa, option: cg_steps, values: [2, 4, 8, 30], reference: 30, rung: 6.2e4, lr: 4.0e-2}
-                                               # optional: "mesa@cg_steps=chosen" in archs takes the measured choice
+    choose: {arch: mesa, option: cg_steps, values: [2, 4, 8, 30], reference: 30, rung: 3.1e5, lr: 1.0e-2,
+             tolerance: 0.02}                  # optional: "mesa@cg_steps=chosen" in archs takes the measured choice
     gpu: {peak_flops: 9.89e14, mfu: {attention: 0.358}, default_mfu: 0.136, gpu_gib: 141}   # optional: GPU-hours
 """
 
@@ -66,8 +69,10 @@ class LrSweep:
 class Choose:
     """An option chosen by measurement before the ladder runs (archs name it as ARCH@OPTION=chosen): `arch` trained at
     `rung` (matched params, tokens_per_param tokens) with each of `values` of `option`, at lr `lr` and every seed of
-    `seeds`. The choice is the smallest value whose mean final loss is at most the reference's mean plus the spread
-    (max - min) of the reference's seeds."""
+    `seeds`. The choice is the smallest value whose loss is shown to be at most `tolerance` (nats) above the
+    reference's: the upper end of the Welch interval (at the ladder's level) of its mean minus the reference's mean,
+    both sides' seed noise in it, lies below the tolerance. The report says whether the choice was made at the
+    largest rung that uses it."""
 
     arch: str
     option: str
@@ -76,6 +81,7 @@ class Choose:
     rung: float
     lr: float
     seeds: tuple[int, ...]
+    tolerance: float
 
     def candidate(self, value) -> str:
         return f"{self.arch}@{self.option}={written(value)}"
@@ -106,7 +112,10 @@ class LadderSpec:
     match: str = "params"
     tokens_per_param: float = 20.0
     budgets: tuple[float, ...] | None = None
-    seeds: tuple[int, ...] = (0,)
+    seeds: tuple[int, ...] = (1,)
+    sweep_seed: int = 0
+    data_seed: int | None = None
+    allow_mixed_code: bool = False
     probes: tuple[tuple[str, ...], ...] = ()
     target_compute: float | None = None
     level: float = 0.9
@@ -187,7 +196,7 @@ def choose_section(raw, path: Path, seeds: tuple[int, ...]) -> Choose:
     from lm.compare.plan import parse_archs
 
     raw = only_keys(raw, [f.name for f in fields(Choose)], "choose", path)
-    missing = [key for key in ("arch", "option", "values", "reference", "rung", "lr") if key not in raw]
+    missing = [key for key in ("arch", "option", "values", "reference", "rung", "lr", "tolerance") if key not in raw]
     if missing:
         raise UserError(f"{path}: choose needs {', '.join(missing)}")
     values = raw["values"]
@@ -203,7 +212,8 @@ def choose_section(raw, path: Path, seeds: tuple[int, ...]) -> Choose:
                         f"over seeds is the criterion)")
     choose = Choose(arch=str(raw["arch"]), option=str(raw["option"]), values=tuple(sorted(values)),
                     reference=raw["reference"], rung=number(raw["rung"], "choose.rung", path),
-                    lr=number(raw["lr"], "choose.lr", path), seeds=tuple(picked))
+                    lr=number(raw["lr"], "choose.lr", path), seeds=tuple(picked),
+                    tolerance=number(raw["tolerance"], "choose.tolerance", path))
     try:
         parse_archs(choose.candidates)
     except UserError as err:
@@ -253,10 +263,19 @@ def load_ladder(path: str) -> LadderSpec:
     if not isinstance(raw["archs"], list) or not raw["archs"] or not all(isinstance(a, str) for a in raw["archs"]):
         raise UserError(f"{file}: archs must be a list of architectures (mixers, a+b patterns, hybrids, variants)")
     names = tuple(name.strip() for name in raw["archs"])
-    seeds = raw.get("seeds", [0])
+    seeds = raw.get("seeds", [1])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds) \
             or len(set(seeds)) < len(seeds):
         raise UserError(f"{file}: seeds must be a list of distinct whole numbers")
+    sweep_seed, data_seed = raw.get("sweep_seed", 0), raw.get("data_seed")
+    if not isinstance(sweep_seed, int) or (data_seed is not None and not isinstance(data_seed, int)):
+        raise UserError(f"{file}: sweep_seed and data_seed must be whole numbers (data_seed: or null)")
+    if sweep_seed in seeds:
+        raise UserError(f"{file}: seeds include the sweep's seed {sweep_seed}: the sweep's best run is chosen on its "
+                        f"own noise, so it is no fresh seed; list other seeds (or set sweep_seed)")
+    for key in ("repeat_data", "allow_mixed_code"):
+        if not isinstance(raw.get(key, False), bool):
+            raise UserError(f"{file}: {key} must be true or false")
     choose = choose_section(raw["choose"], file, tuple(seeds)) if raw.get("choose") else None
     placeholders = [name for name in names if f"={CHOSEN}" in name]
     for name in placeholders:
@@ -281,14 +300,13 @@ def load_ladder(path: str) -> LadderSpec:
                                                for p in probes):
         raise UserError(f"{file}: probes must be a list of lm eval commands, each a list of strings "
                         f"([ppl, --max_windows, '64'])")
-    if not isinstance(raw.get("repeat_data", False), bool):
-        raise UserError(f"{file}: repeat_data must be true or false")
     spec = LadderSpec(
         path=file, archs=names, rungs=rungs, base=str(base), lr=lr_sweep(raw["lr"], file, len(rungs), labels),
         match=raw.get("match", "params"),
         tokens_per_param=number(raw.get("tokens_per_param", 20), "tokens_per_param", file),
         budgets=None if raw.get("budgets") is None else tuple(sorted(numbers(raw["budgets"], "budgets", file))),
-        seeds=tuple(seeds), probes=tuple(tuple(p) for p in probes),
+        seeds=tuple(seeds), sweep_seed=sweep_seed, data_seed=data_seed,
+        allow_mixed_code=raw.get("allow_mixed_code", False), probes=tuple(tuple(p) for p in probes),
         target_compute=None if raw.get("target_compute") is None else number(raw["target_compute"],
                                                                              "target_compute", file),
         level=number(raw.get("level", 0.9), "level", file), bootstrap=raw.get("bootstrap", 1000),

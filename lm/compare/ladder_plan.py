@@ -135,13 +135,13 @@ def check_rule_can_fit(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> None:
 
 
 def sweep_runs(spec: LadderSpec, rungs: dict[str, list[Rung]]) -> list[Run]:
-    """The runs of an lr grid (`lr.grid`): every lr at every swept rung, at the first seed."""
-    return [Run(rung, lr, spec.seeds[0]) for arch in rungs for rung in swept(spec, rungs[arch])
+    """The runs of an lr grid (`lr.grid`): every lr at every swept rung, at the sweep's seed."""
+    return [Run(rung, lr, spec.sweep_seed) for arch in rungs for rung in swept(spec, rungs[arch])
             for lr in spec.lr.grid]
 
 
 def lrs_per_sweep(spec: LadderSpec) -> int:
-    """The lrs a swept rung trains at the first seed before any widening."""
+    """The lrs a swept rung trains at the sweep's seed before any widening."""
     return len(spec.lr.grid) if spec.lr.grid is not None else len(spec.lr.factors)
 
 
@@ -205,6 +205,11 @@ def target_needs(spec: LadderSpec, rungs: dict[str, list[Rung]], corpus: Corpus)
                                                        if short else "") + ".\n")
 
 
+def data_order(spec: LadderSpec) -> str:
+    return ("each run's own order (its seed)" if spec.data_seed is None else
+            f"one order for every run (data_seed {spec.data_seed})")
+
+
 def lr_plan(spec: LadderSpec, sweep_runs: int) -> str:
     lr = spec.lr
     where = (f"on the {lr.swept(len(spec.rungs))} smallest rung(s)" if lr.swept(len(spec.rungs)) < len(spec.rungs)
@@ -232,21 +237,23 @@ def plan_table(spec: LadderSpec, rungs: dict, corpus: Corpus | None = None) -> s
               and len(spec.rungs) == 1 and len(spec.budgets) == 1 else
               f"iso-FLOP at {', '.join(sci(b) for b in spec.budgets)} FLOPs" if spec.budgets else
               f"{spec.tokens_per_param:g} tokens per target parameter")
-    sweeps = sum(len(swept(spec, rs)) for rs in rungs.values())  # each swept rung's best-lr run is a seed-0 run
-    sweep_runs = sweeps * lrs_per_sweep(spec)
-    runs = sweep_runs + sum(len(spec.seeds) * len(rs) for rs in rungs.values()) - sweeps
+    sweep_runs = sum(len(swept(spec, rs)) for rs in rungs.values()) * lrs_per_sweep(spec)
+    runs = sweep_runs + sum(len(spec.seeds) * len(rs) for rs in rungs.values())
     notes = {f"{arch}: {note}." for arch, rs in rungs.items() for note in flops_notes(LMConfig(**rs[0].model))}
     choose = spec.choose
     chosen = (f" First, by measurement, {choose.arch}'s {choose.option} from {list(choose.values)} at rung "
               f"{choose.rung / 1e3:.3g}k, lr {choose.lr:g}, seeds {list(choose.seeds)} "
-              f"({len(choose.values) * len(choose.seeds)} runs): the smallest whose mean loss is within the spread of "
-              f"{choose.option} {choose.reference}'s seeds; until then the table plans it at {choose.reference}."
+              f"({len(choose.values) * len(choose.seeds)} runs): the smallest shown to be at most {choose.tolerance:g} "
+              f"nats above {choose.option} {choose.reference} (Welch's interval); until then the table plans it at "
+              f"{choose.reference}."
               if choose else "")
     data = (f"Data: {corpus.where}, {count(corpus.tokens)} training tokens"
             + ("; repeat_data is set, so a run may read it more than once." if spec.repeat_data else
                "; no run reads it more than once.") if corpus.tokens else f"Data: {corpus.where}.")
     return (f"# lm compare ladder: {spec.path}\n\n{len(spec.rungs)} rungs x {len(spec.archs)} architectures, matched "
-            f"{spec.match}, {budget}; {lr_plan(spec, sweep_runs)}; seeds {list(spec.seeds)}: {runs} runs.{chosen}\n\n"
+            f"{spec.match}, {budget}; {lr_plan(spec, sweep_runs)} at seed {spec.sweep_seed}; then seeds "
+            f"{list(spec.seeds)} at each rung's best lr, reading the data in {data_order(spec)}: {runs} runs."
+            f"{chosen}\n\n"
             + markdown_table(header, rows) + f"\n{data}\n" + target_needs(spec, rungs, corpus)
             + "".join(f"\n{note}\n" for note in sorted(notes)))
 
@@ -275,7 +282,7 @@ def gpu_hours_table(spec: LadderSpec, rungs: dict) -> str:
                 continue
             tokens_per_s = mfu * gpu.peak_flops / (r.flops_per_token * (4 / 3 if r.activation_checkpointing else 1))
             hours = r.tokens / tokens_per_s / 3600
-            runs = len(spec.seeds) + (lrs_per_sweep(spec) - 1 if r.label in sweep else 0)
+            runs = len(spec.seeds) + (lrs_per_sweep(spec) if r.label in sweep else 0)
             totals[arch] += runs * hours
             rows.append([arch, r.label, *memory, f"{mfu:.1%}", f"{tokens_per_s:,.0f}", f"{hours:,.1f}",
                          f"{runs} -> {runs * hours:,.0f}"])

@@ -7,22 +7,24 @@
 - per rung the seeds' mean and spread and the lrs tried; the lr rule over all rungs with its slope; the data read;
 - iso-FLOP ladders: each budget's compute-optimal size and loss (a parabola in log N) with intervals, compared across
   architectures at each budget, and L(N, D);
-- a log-log plot with bands, and `lm compare report` of the runs with the fits as its section.
+- what each run ran on (its record: code, torch, device, threads, resumes), the data order and the validation read;
+- a log-log plot (with bands only where the file sets target_compute), and `lm compare report` of the runs with the
+  fits as its section.
 
 Files under OUT/report: ladder.md, fits.json, ladder.png (isoflop.png), section.json, compare/ (lm compare report)."""
 
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from lm.compare.plan import count, sci
-from lm.util.output import markdown_table, write_json
+from lm.util.output import markdown_table, strict_json, write_json
 from lm.util.plotting import pyplot, save
 from lm.util.report_section import write_section
 
-DEFAULT_TARGET_FACTOR = 100.0  # without target_compute: predict at 100x the ladder's largest compute
 SEED = 0  # of the bootstrap
 
 
@@ -84,10 +86,12 @@ def optimum(at: list[dict], level: float, reps: int, seed: int) -> dict:
         replicates[:, k] = fitted[k] + signs[:, k] * (means[k] - fitted[k]) * inflation + drawn
     vertices, losses, _ = parabola_vertices(log_n, replicates)
     inside = bool(minimum and log_n[0] <= vertex <= log_n[-1])
+    seeded = any(len(x) > 1 for x in seeds)  # one seed a size: the replicates vary nothing, so no interval
     return {"sizes": sizes, "means": means.tolist(), "coefficients": np.polyfit(log_n, means, 2).tolist(),
             "params_opt": math.exp(vertex) if minimum else None, "loss_opt": float(loss) if minimum else None,
-            "identified": inside, "params_interval": tuple(math.exp(v) for v in interval(vertices, level)),
-            "loss_interval": interval(losses, level), "loss_samples": losses}
+            "identified": inside, "seeded": seeded,
+            "params_interval": tuple(math.exp(v) for v in interval(vertices, level)) if seeded else None,
+            "loss_interval": interval(losses, level) if seeded else None, "loss_samples": losses}
 
 
 def isoflop(rows: list[dict], level: float = 0.9, reps: int = 1000, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -113,10 +117,15 @@ def optimum_rows(parabolas: dict, level: float) -> tuple[list[list[str]], list[l
     table, verdicts = [], []
     for arch, items in parabolas.items():
         for p in items:
-            table.append([arch, sci(p["budget"]), count(p["params_opt"]) if p["params_opt"] else "no minimum",
-                          f"{count(p['params_interval'][0])} to {count(p['params_interval'][1])}"
-                          if p["identified"] else "not identified (outside the sizes tried)",
-                          interval_text(p["loss_opt"], p["loss_interval"], ".4f") if p["identified"] else ""])
+            if not p["identified"]:
+                where, loss = "not identified (outside the sizes tried)", ""
+            elif not p["seeded"]:
+                where, loss = "one seed: no interval", f"{p['loss_opt']:.4f} (one seed)"
+            else:
+                where = f"{count(p['params_interval'][0])} to {count(p['params_interval'][1])}"
+                loss = interval_text(p["loss_opt"], p["loss_interval"], ".4f")
+            table.append([arch, sci(p["budget"]), count(p["params_opt"]) if p["params_opt"] else "no minimum", where,
+                          loss])
     archs = list(parabolas)
     for budget in sorted({p["budget"] for items in parabolas.values() for p in items}):
         at = {a: next((p for p in parabolas[a] if p["budget"] == budget), None) for a in archs}
@@ -131,6 +140,9 @@ def optimum_rows(parabolas: dict, level: float) -> tuple[list[list[str]], list[l
                                      f"optimum is not identified (outside the sizes tried)"])
                     continue
                 gap = p1["loss_opt"] - p2["loss_opt"]
+                if not (p1["seeded"] and p2["seeded"]):
+                    verdicts.append([f"{first} / {second}", sci(budget), f"{gap:+.4f}", "one seed: no interval"])
+                    continue
                 lo, hi = interval(np.asarray(p1["loss_samples"]) - np.asarray(p2["loss_samples"]), level)
                 lower = first if gap < 0 else second
                 sure = (hi < 0 and gap < 0) or (lo > 0 and gap > 0)
@@ -147,19 +159,21 @@ E_FLOOR = 0.01  # E below 1% of the lowest loss counts as at its bound 0
 ALPHA_SPAN = 10.0  # an alpha interval wider than this factor does not pin alpha
 
 
-def power_law_allowed(computes: np.ndarray, losses: np.ndarray, residual: np.ndarray, level: float) -> bool:
-    """Whether the runs allow E = 0: a pure power law (a line in log-log, least squares) fits them as well as the free
-    law, by an F test at `level` (F = the drop in squared log residuals over the free fit's residual variance, against
-    t((1 + level) / 2, n - 3)^2)."""
-    from lm.compare.ladder_verdicts import t_quantile
+def power_law_allowed(x: np.ndarray, y: np.ndarray, weights: np.ndarray, residual: np.ndarray, level: float) -> bool:
+    """Whether the rung means allow E = 0: a pure power law (a line in log-log, weighted least squares) fits them as
+    well as the free law, by an F test at `level`: F = (the line's weighted squared residuals - the free fit's) /
+    (the free fit's / (K - 3)) against the F(1, K - 3) quantile at `level` (K rungs; with K = 3, always allowed)."""
+    from scipy.stats import f
 
-    x, y = np.log(computes), np.log(losses)
-    slope, intercept = np.polyfit(x, y, 1)
     dof = len(y) - 3
-    line, free = float(np.sum((y - intercept - slope * x) ** 2)), float(np.sum(residual ** 2))
     if dof < 1:
         return True
-    return free == 0 and line == 0 or free > 0 and (line - free) / (free / dof) <= t_quantile((1 + level) / 2, dof) ** 2
+    slope, intercept = np.polyfit(x, y, 1, w=weights)
+    line = float(np.sum((weights * (y - intercept - slope * x)) ** 2))
+    free = float(np.sum((weights * residual) ** 2))
+    if free == 0:  # the free law is exact: E = 0 is allowed only if the line is too (to rounding)
+        return line <= 1e-20 * float(np.sum((weights * y) ** 2))
+    return bool((line - free) / (free / dof) <= f.ppf(level, 1, dof))
 
 
 def identified(fit: dict, level: float) -> None:
@@ -175,44 +189,52 @@ def identified(fit: dict, level: float) -> None:
         fit[f"{name}_outside"] = not lo - 1e-9 <= fit[name] <= hi + 1e-9  # the point outside its own interval
 
 
-def fit_arch(rows: list[dict], spec, target: float, seed: int) -> dict:
+def fit_arch(rows: list[dict], spec, target: float | None, seed: int) -> dict:
     """L(C) of one architecture with "misfit" bootstrap intervals (replicates drawn from `seed`), its held-out errors
     (nats) and its prediction at `target`; where too few rungs finished, why no fit."""
     finite = [r for r in rows if math.isfinite(r["loss"])]
     computes = np.array([r["compute"] for r in finite])
     losses = np.array([r["loss"] for r in finite])
-    if len(set(computes.tolist())) < 3 or len(finite) < 4:
-        return {"runs": len(finite), "why": f"{len(set(computes.tolist()))} compute value(s) and {len(finite)} "
-                                            "finished runs: a fit of 3 parameters needs 3 values and 4 runs"}
     groups = [r["rung"] for r in finite]
+    if len(set(groups)) < 4:
+        return {"runs": len(finite), "why": f"{len(set(groups))} rung(s) with finished runs: a law of 3 parameters, "
+                                            "judged on a rung it did not see, needs 4"}
     with np.errstate(over="ignore"):  # a replicate's A C^-alpha may overflow where E is not identified
         return fitted_arch(computes, losses, groups, spec, target, seed)
 
 
-def fitted_arch(computes: np.ndarray, losses: np.ndarray, groups: list[str], spec, target: float, seed: int) -> dict:
-    """fit_arch's fit of the finished runs (computes, losses, their rungs)."""
-    from lm.compare.scaling_fit import bootstrap_laws, fit_law, held_out, interval, predict_thetas
+def fitted_arch(computes: np.ndarray, losses: np.ndarray, groups: list[str], spec, target: float | None,
+                seed: int) -> dict:
+    """fit_arch's fit of the rung means of the finished runs (computes, losses, their rungs)."""
+    from lm.compare.scaling_fit import bootstrap_laws, fit_law, held_out, interval, predict_thetas, rungs_of
 
-    law = fit_law(computes, losses)
-    thetas = bootstrap_laws(computes, losses, groups=groups, reps=spec.bootstrap, seed=seed, method="misfit")
-    at_target = predict_thetas(thetas, np.array([target]))[:, 0]
-    residual = np.log(losses) - np.log(law.predict(computes))
+    law = fit_law(computes, losses, groups=groups)
+    thetas, replicates_converged = bootstrap_laws(computes, losses, groups, reps=spec.bootstrap, seed=seed)
+    rungs = rungs_of(computes, losses, groups)
+    x, y = np.log(rungs.values[:, 0]), rungs.log_means
+    weights = np.ones_like(y) if rungs.errors is None else 1 / rungs.errors
+    residual = y - np.log(law.predict(rungs.values[:, 0]))
     fit = {"runs": len(losses), "rungs": len(set(groups)), "theta": law.theta.tolist(), "thetas": thetas,
-           "E": law.E, "E_interval": interval(np.exp(thetas[:, 0]), spec.level),
-           "E_at_bound": float(np.mean(np.exp(thetas[:, 0]) < E_FLOOR * losses.min())),
+           "converged": law.converged, "replicates_converged": replicates_converged,
+           "weighted": rungs.errors is not None,
+           "E": law.E, "E_interval": interval(thetas[:, 0], spec.level),
+           "E_at_bound": float(np.mean(thetas[:, 0] < E_FLOOR * losses.min())),
            "alpha": law.exponents[0], "alpha_interval": interval(thetas[:, 2], spec.level),
-           "A": law.coefficients[0], "target_loss": float(law.predict(np.array([target]))[0]),
-           "target_interval": interval(at_target, spec.level), "largest_compute": float(computes.max()),
+           "A": law.coefficients[0], "largest_compute": float(computes.max()),
            "lowest_loss": float(losses.min()), "rms_log_residual": float(np.sqrt(np.mean(residual ** 2))),
            "held_out": held_out(computes, losses, groups),
-           "power_law_allowed": power_law_allowed(computes, losses, residual, spec.level)}
+           "power_law_allowed": power_law_allowed(x, y, weights, residual, spec.level)}
+    if target is not None:
+        fit["target_loss"] = float(law.predict(np.array([target]))[0])
+        fit["target_interval"] = interval(predict_thetas(thetas, np.array([target]))[:, 0], spec.level)
     identified(fit, spec.level)
     return fit
 
 
 def estimate_text(fit: dict, name: str) -> str:
     if not fit[f"{name}_identified"]:
-        return (f"not identified ({fit[name]:.3g}; the data allow E = 0)" if name == "E" else
+        return (f"not identified ({fit[name]:.3g}{', at its bound' if fit[name] == 0 else ''}; the data allow E = 0)"
+                if name == "E" else
                 f"not identified ({fit[name]:.3g}; interval {fit[f'{name}_interval'][0]:.3g} to "
                 f"{fit[f'{name}_interval'][1]:.3g})")
     return interval_text(fit[name], fit[f"{name}_interval"]) + (" (the point lies outside its interval)"
@@ -223,33 +245,45 @@ def nats(value: float | None) -> str:
     return "" if value is None else f"{value:+.3f}"
 
 
-def fit_rows(fits: dict, target: float) -> list[list[str]]:
-    """The fits table: estimates, held-out errors (nats), and the reading at the target, labelled."""
+def converged_text(fit: dict) -> str:
+    if not fit["converged"]:
+        return "no: the fit stopped at its evaluation cap"
+    share = fit["replicates_converged"]
+    return "yes" + ("" if share == 1 else f" ({share:.1%} of the replicates)")
+
+
+def fit_rows(fits: dict, target: float | None) -> list[list[str]]:
+    """The fits table: estimates, whether the fit converged, held-out errors (nats), and with a target the reading
+    there, labelled."""
     from lm.compare.ladder_verdicts import times
 
     table = []
     for arch, fit in fits.items():
         if "theta" not in fit:
-            table.append([arch, str(fit["runs"]), "", "", "", "", "", "", fit["why"]])
+            table.append([arch, str(fit["runs"]), fit["why"]] + [""] * (6 + (target is not None)))
             continue
-        past = target / fit["largest_compute"]
-        where = f"extrapolated, {times(past)} past the largest run" if past > 1 + 1e-9 else "inside the runs"
         ho = fit["held_out"]
-        table.append([arch, str(fit["runs"]), str(fit["rungs"]), estimate_text(fit, "alpha"), estimate_text(fit, "E"),
-                      nats(ho["largest"]) or "too few rungs", nats(ho["rms"]).lstrip("+"),
-                      f"{fit['rms_log_residual']:.4f}",
-                      interval_text(fit["target_loss"], fit["target_interval"], ".4g") + f"; {where}"])
+        row = [arch, str(fit["runs"]), str(fit["rungs"]), estimate_text(fit, "alpha"), estimate_text(fit, "E"),
+               converged_text(fit), nats(ho["largest"]) or "too few rungs", nats(ho["rms"]).lstrip("+"),
+               f"{fit['rms_log_residual']:.4f}"]
+        if target is not None:
+            past = target / fit["largest_compute"]
+            where = f"extrapolated, {times(past)} past the largest run" if past > 1 + 1e-9 else "inside the runs"
+            row.append(interval_text(fit["target_loss"], fit["target_interval"], ".4g") + f"; {where}")
+        table.append(row)
     return table
 
 
-def plot(fits: dict, found: dict, low: float, target: float, path: Path, level: float) -> None:
+def plot(fits: dict, found: dict, low: float, high: float, target: float | None, path: Path, level: float) -> None:
+    """The runs and each fitted curve; with a target, the curves run to it with their bootstrap bands; without one,
+    the point fit alone over the measured range."""
     from lm.compare.scaling_fit import predict_thetas
 
     plt = pyplot()
     from matplotlib.ticker import FormatStrFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    grid = np.geomspace(low / 2, target, 200)
+    grid = np.geomspace(low / 2, target, 200) if target else np.geomspace(low, high, 200)
     losses = [r["loss"] for rows in found.values() for r in rows if math.isfinite(r["loss"])]
     for i, (arch, rows) in enumerate(found.items()):
         colour = f"C{i}"
@@ -260,15 +294,18 @@ def plot(fits: dict, found: dict, low: float, target: float, path: Path, level: 
             with np.errstate(over="ignore", invalid="ignore"):  # a degenerate replicate's A C^-alpha overflows
                 curves = predict_thetas(fit["thetas"], grid)
                 curve = predict_thetas(np.array([fit["theta"]]), grid)[0]
-            curves[~np.isfinite(curves)] = np.nan
-            lo, hi = np.nanquantile(curves, [(1 - level) / 2, (1 + level) / 2], axis=0)
             ax.plot(grid, np.where(np.isfinite(curve), curve, np.nan), color=colour, lw=1.2)
-            ax.fill_between(grid, lo, hi, color=colour, alpha=0.2, lw=0)
-            losses.append(float(np.nanmin(lo)))
-    ax.axvline(target, color="grey", ls=":", lw=1)
+            if target:
+                curves[~np.isfinite(curves)] = np.nan
+                lo, hi = np.nanquantile(curves, [(1 - level) / 2, (1 + level) / 2], axis=0)
+                ax.fill_between(grid, lo, hi, color=colour, alpha=0.2, lw=0)
+                losses.append(float(np.nanmin(lo)))
+    if target:
+        ax.axvline(target, color="grey", ls=":", lw=1)
     ax.set_ylim(min(losses) * 0.95, max(losses) * 1.05)  # the points and the bands' floor, not an overflow
     ax.set(xscale="log", yscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss",
-           title=f"Fitted L(C) = E + A C^-alpha, {level:.0%} bootstrap bands")
+           title=f"Fitted L(C) = E + A C^-alpha, {level:.0%} bootstrap bands to the target" if target else
+           "Fitted L(C) = E + A C^-alpha over the measured range (no target_compute: no bands)")
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 1.8, not 1.8 x 10^0
         axis(FormatStrFormatter("%.2f"))
     ax.legend(fontsize=8)
@@ -300,10 +337,10 @@ def nd_fit(rows: list[dict], spec) -> dict | None:
     values = np.array([[r["params"], r["tokens"]] for r in finite], dtype=float)
     losses = np.array([r["loss"] for r in finite])
     law = fit_law(values, losses, variables=("N", "D"))
-    thetas = bootstrap_laws(values, losses, reps=spec.bootstrap, seed=SEED, variables=("N", "D"))
-    return {"E": law.E, "alpha": law.exponents[0], "beta": law.exponents[1],
+    thetas, _ = bootstrap_laws(values, losses, reps=spec.bootstrap, seed=SEED, variables=("N", "D"))
+    return {"E": law.E, "alpha": law.exponents[0], "beta": law.exponents[1], "converged": law.converged,
             "alpha_interval": interval(thetas[:, 2], spec.level), "beta_interval": interval(thetas[:, 4], spec.level),
-            "E_interval": interval(np.exp(thetas[:, 0]), spec.level)}
+            "E_interval": interval(thetas[:, 0], spec.level)}
 
 
 def rule_record(rule: dict) -> dict:
@@ -344,7 +381,7 @@ def verdict_rows(fitted: dict, fits: dict, level: float, target: float | None) -
 
 def rung_rows(found: dict, rules: dict, level: float) -> list[list[str]]:
     """Per architecture and rung (iso-FLOP: size and budget): compute, the seeds' mean (with its t interval) and
-    spread, the lrs tried at the first seed and the best."""
+    spread, the lrs tried at the sweep's seed and the best."""
     from lm.compare.ladder_verdicts import rung_means, t_quantile
 
     sweeps = {(arch, s["rung"]): s for arch, r in rules.items() for s in r["sweeps"]}
@@ -369,35 +406,86 @@ def rung_rows(found: dict, rules: dict, level: float) -> list[list[str]]:
     return table
 
 
-def data_lines(corpus, found: dict) -> list[str]:
-    if corpus is None or not corpus.tokens:
-        return [f"Data: {corpus.where if corpus else 'not known'}."]
-    most = max((r for rows in found.values() for r in rows), key=lambda r: r["tokens"])
-    return [f"Data: {corpus.where}, {count(corpus.tokens)} training tokens. The longest run reads "
-            f"{count(most['tokens'])} tokens ({most['run']}): {most['tokens'] / corpus.tokens:.3g} epochs."]
+def data_lines(spec, corpus, found: dict, run_configs: list[dict]) -> list[str]:
+    """The corpus and the most epochs a run read, the data order, and how much validation each run read."""
+    from lm.compare.ladder_plan import data_order
+
+    lines = [f"Data: {corpus.where if corpus else 'not known'}."]
+    if corpus is not None and corpus.tokens:
+        most = max((r for rows in found.values() for r in rows), key=lambda r: r["tokens"])
+        lines = [f"Data: {corpus.where}, {count(corpus.tokens)} training tokens. The longest run reads "
+                 f"{count(most['tokens'])} tokens ({most['run']}): {most['tokens'] / corpus.tokens:.3g} epochs."]
+    lines.append(f"Data order: {data_order(spec)}.")
+    read = sorted({validation_read(config) for config in run_configs})
+    lines.append("Validation: " + "; ".join(read) + ".")
+    return lines
+
+
+def validation_read(config: dict) -> str:
+    """What a run's final validation read: the whole validation split, or a sample of a stated size."""
+    from lm.data_prep.shards import load_manifest
+    from lm.training.data import count_windows
+
+    data = config.get("data") or {}
+    seq_len, windows = data.get("seq_len"), data.get("val_windows", 256)
+    try:
+        tokens = int(load_manifest(data["path"], verify=False)["splits"]["validation"]["tokens"])
+    except (KeyError, OSError, ValueError, TypeError):
+        tokens = None
+    total = count_windows(tokens, seq_len) if tokens is not None and seq_len else None
+    whole = f"of {total:,} windows of {seq_len} tokens" if total is not None else "of a split of unknown size"
+    if windows is None or (total is not None and windows >= total):
+        return f"the whole validation split ({whole})"
+    return f"a sample of {windows:,} windows ({windows * seq_len:,} tokens) {whole}"
 
 
 def choice_lines(chosen: dict | None) -> list[str]:
     if not chosen:
         return []
+    pct = f"{chosen['level']:.0%}"
+    reference = next(r for r in chosen["rows"] if r["value"] == chosen["reference"])
+
+    def against(row: dict) -> str:
+        if row is reference:
+            return "(the reference)"
+        if row["interval"] is None:
+            return "no interval (a run diverged)"
+        return f"{row['mean'] - reference['mean']:+.4f} [{row['interval'][0]:+.4f}, {row['interval'][1]:+.4f}]"
+
     rows = [[f"{chosen['option']} {r['value']}", r["rung"], ", ".join(f"{x:.4f}" for x in r["losses"]),
-             f"{r['mean']:.4f}", f"{r['spread']:.4f}", "yes" if r["mean"] <= chosen["bound"] else "no"]
+             f"{r['mean']:.4f}", f"{r['spread']:.4f}", against(r), "yes" if r["within"] else "no"]
             for r in chosen["rows"]]
+    rung = f"{chosen['rung'] / 1e3:.3g}k"
+    confirmed = (f"It was made at the {rung} rung, the largest that uses it." if chosen["confirmed"] else
+                 f"It was made at the {rung} rung and not confirmed at the largest rung that uses it "
+                 f"({chosen['largest_rung'] / 1e3:.3g}k): it rests on the smaller rung's runs.")
+    tolerance = f"{chosen['tolerance']:g}"
     return ["## The choice", "", f"{chosen['arch']} trained with each {chosen['option']} at lr {chosen['lr']:g}: the "
-            f"smallest whose mean loss is at most the mean of {chosen['option']} {chosen['reference']} plus the spread "
-            f"of its seeds ({chosen['bound']:.4f}) is chosen: **{chosen['option']} {chosen['chosen']}**.", "",
-            markdown_table([chosen["option"], "rung", "final loss by seed", "mean", "spread", "within"], rows)]
+            f"smallest shown to be at most {tolerance} nats above {chosen['option']} {chosen['reference']} (the upper "
+            f"end of the {pct} Welch interval of its mean loss minus the reference's lies below {tolerance}) is "
+            f"chosen: **{chosen['option']} {chosen['chosen']}**. {confirmed}", "",
+            markdown_table([chosen["option"], "rung", "final loss by seed", "mean", "spread",
+                            f"minus the reference [{pct}]", "within"], rows)]
 
 
 def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_len: int, chosen: dict | None = None,
                  corpus=None) -> Path:
     """The verdicts, fits, tables and plots into OUT/report, and `lm compare report` of the runs (`dir_of(run)`: its
-    run directory; `loss_of(run)`: its final loss) with them as its section."""
-    from lm.compare.report import report
+    run directory; `loss_of(run)`: its final loss) with them as its section. Refused in one line where the runs'
+    records name different code (unless the ladder file allows it)."""
+    import yaml
 
+    from lm.compare.ladder_records import check_code, describe, summary
+    from lm.compare.report import report
+    from lm.training.run_record import read_record
+
+    check_code([dir_of(run) for run in runs], spec.allow_mixed_code, str(spec.path), training=False)
     report_dir = out / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
     found = points(runs, loss_of, lambda run: spent_compute(dir_of(run)))
+    records = {run.name: read_record(dir_of(run)) for run in runs}
+    configs = [yaml.safe_load((dir_of(run) / "config.yaml").read_text()) or {} for run in runs
+               if (dir_of(run) / "config.yaml").is_file()]
     parabolas, fitted = {}, dict(found)  # iso-FLOP: verdicts and L(C) take each budget's best size
     if spec.budgets:
         for i, (arch, rows) in enumerate(found.items()):
@@ -405,16 +493,17 @@ def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_
         parabolas = {a: p for a, p in parabolas.items() if p}
     computes = [r["compute"] for rows in fitted.values() for r in rows]
     low, high = min(computes), max(computes)
-    target = spec.target_compute or DEFAULT_TARGET_FACTOR * high
+    target = spec.target_compute
     # Each architecture's replicates from a seed of its own: the runs of two architectures are independent samples.
     fits = {arch: fit_arch(rows, spec, target, SEED + i) for i, (arch, rows) in enumerate(fitted.items())}
     pct = f"{spec.level:.0%}"
-    verdicts = verdict_rows(fitted, fits, spec.level, spec.target_compute)
-    header = ["arch", "runs", "rungs", f"alpha [{pct}]", f"E [{pct}]", "held-out error at the largest rung (nats)",
-              "leave-one-rung-out RMS (nats)", "RMS log residual", f"loss at {sci(target)} FLOPs [{pct}]"]
+    verdicts = verdict_rows(fitted, fits, spec.level, target)
+    header = ["arch", "runs", "rungs", f"alpha [{pct}]", f"E [{pct}]", "converged",
+              "held-out error at the largest rung (nats)", "leave-one-rung-out RMS (nats)", "RMS log residual"]
+    header += [f"loss at {sci(target)} FLOPs [{pct}]"] if target is not None else []
     table = fit_rows(fits, target)
     images = ["ladder.png"]
-    plot(fits, fitted, low, target, report_dir / "ladder.png", spec.level)
+    plot(fits, fitted, low, high, target, report_dir / "ladder.png", spec.level)
     if parabolas:
         plot_isoflop(parabolas, report_dir / "isoflop.png")
         images.append("isoflop.png")
@@ -422,26 +511,30 @@ def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_
     nd = nd if any(nd.values()) else {}
 
     lines = [f"# Ladder: {spec.path}", "", "## Verdicts at measured compute", "",
-             f"Where both architectures have runs, each one's mean final loss is interpolated linearly in log compute "
-             f"between its own rungs, and the gap is read with its {pct} seed interval (Student's t over the seeds, "
-             f"Welch's degrees of freedom). A verdict names the lower one only where that interval excludes 0. "
-             f"Computes within 2% count as matched.", "",
+             f"An architecture is read only inside its own runs: at a rung, its seeds' mean; between two rungs, the "
+             f"line in log compute between them, with the wider rung's variance and the line's own error (from how "
+             f"far each rung lies off the line through its neighbours). The gap is read with its {pct} interval "
+             f"(Student's t over the seeds, Welch's degrees of freedom, plus the lines' errors). A verdict names the "
+             f"lower one only where that interval excludes 0. Runs within 2% of each other's compute count as "
+             f"matched.", "",
              markdown_table(["pair", "both measured (FLOPs)", "verdict", "where the point estimates cross"],
                             verdicts["measured"]),
              "### Gaps at the rungs' computes (first minus second, nats)", "",
-             markdown_table(["pair", "compute", "gap", f"{pct} seed interval"], verdicts["gaps"])]
+             markdown_table(["pair", "compute", "gap", f"{pct} interval"], verdicts["gaps"])]
     if verdicts["beyond"]:
         lines += ["## Beyond the measured range: the fitted curves (extrapolated)", "",
                   "Read only as labelled: how far past the largest run each curve is read, and whether the gap "
                   "exceeds the fits' errors at predicting their own largest rung from the others.", "",
                   markdown_table(["pair", "at (FLOPs)", "extrapolated", "reading"], verdicts["beyond"])]
     lines += ["## Fits judged by prediction", "",
-              f"L(C) = E + A C^-alpha per architecture (C: training FLOPs as spent), fitted by Huber loss on log loss. "
-              f"[{pct} intervals] from {spec.bootstrap} replicates that resample the seeds within each rung and add "
-              f"each rung's mean residual with a random sign (the law's misfit). Held-out errors: the law fitted "
-              f"without a rung, its prediction there minus the rung's mean loss; the largest rung's, and the root mean "
-              f"square over every rung left out in turn. E or alpha is \"not identified\" where the data cannot pin "
-              f"it (E: its interval reaches its bound 0).", "", markdown_table(header, table)]
+              f"L(C) = E + A C^-alpha per architecture (C: training FLOPs as spent), fitted to its rung means (log "
+              f"mean loss, each rung weighted by its seeds' variance) by scipy's least_squares with E >= 0 and a "
+              f"Huber loss; converged: the optimiser stopped on its tolerances. [{pct} intervals] from "
+              f"{spec.bootstrap} replicates that resample the seeds within each rung and add each rung's residual "
+              f"with a random sign (the law's misfit). Held-out errors: the law fitted without a rung, its prediction "
+              f"there minus the rung's mean loss; the largest rung's, and the root mean square over every rung left "
+              f"out in turn. E or alpha is \"not identified\" where the data cannot pin it (E: a pure power law fits "
+              f"as well by an F test, or its interval reaches its bound 0).", "", markdown_table(header, table)]
     if parabolas:
         optima, compared = optimum_rows(parabolas, spec.level)
         lines += ["## Compute-optimal comparison (iso-FLOP parabolas)", "",
@@ -460,32 +553,41 @@ def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_
         lines += ["L(N, D) is not fitted: every run trains the same tokens per parameter, so N and D move together "
                   "(set budgets: for iso-FLOP runs).", ""]
     lines += choice_lines(chosen)
-    lines += ["## Rungs", "", "The seeds' mean final loss and spread (max - min) at each rung; the lrs its sweep "
-              "tried at the first seed, and its best lr (the seeds ran at the best lr the sweep trained).", "",
+    lines += ["## Rungs", "", f"The seeds' mean final loss and spread (max - min) at each rung; the lrs its sweep "
+              f"tried at the sweep's seed ({spec.sweep_seed}), and its best lr. The seeds ran at the best lr the sweep "
+              f"trained, each a fresh run (the sweep's own runs are not among them).", "",
               markdown_table(["arch", "rung", "compute", "seeds", f"mean loss [{pct} seed interval]", "spread",
-                              "final loss by lr (seed 0)", "best lr"], rung_rows(found, rules, spec.level)),
+                              f"final loss by lr (seed {spec.sweep_seed})", "best lr"],
+                             rung_rows(found, rules, spec.level)),
               "## Learning rates", "", "The rule fitted over every swept rung's best lr (each the vertex of a "
               "parabola in log lr), with its slope; it sets the lr of a rung that was not swept.", "",
               markdown_table(["arch", "rule", "rungs whose best lr lies at the sweep's end"], [
                   [arch, r["rule"].describe() if r["rule"] else "none: one swept size",
                    ", ".join(s["rung"] for s in r["sweeps"] if s["found_by"] in ("grid edge", "grid minimum"))
                    or "none"] for arch, r in rules.items()]),
-              *data_lines(corpus, found), "",
+              *data_lines(spec, corpus, found, configs), "",
+              "## What the runs ran on", "", "From each run's record (RUN/run_record.json):", "",
+              *summary(records), "",
               "## Runs", "", markdown_table(
-                  ["arch", "rung", "seed", "lr", "params", "tokens", "compute", "final loss"], [
+                  ["arch", "rung", "seed", "lr", "params", "tokens", "compute", "final loss", "code", "torch",
+                   "threads", "resumed at step"], [
                   [arch, r["rung"], r["seed"], f"{r['lr']:g}", f"{r['params']:,}", f"{r['tokens']:,}",
-                   sci(r["compute"]), f"{r['loss']:.4f}"] for arch, rows in found.items() for r in rows])]
+                   sci(r["compute"]), f"{r['loss']:.4f}", *(lambda d: [d["code"], d["torch"], d["threads"],
+                                                                       d["resumed at"]])(describe(records[r["run"]]))]
+                  for arch, rows in found.items() for r in rows])]
     (report_dir / "ladder.md").write_text("\n".join(lines) + "\n")
-    write_json(report_dir / "fits.json", {
+    write_json(report_dir / "fits.json", strict_json({
         "target_compute": target, "level": spec.level,
         "fits": {a: {k: v for k, v in f.items() if k not in ("thetas", "target_samples")} for a, f in fits.items()},
         "verdicts": verdicts["records"], "nd": nd, "points": found, "fitted": fitted, "choice": chosen,
         "parabolas": {a: [{k: v for k, v in p.items() if k != "loss_samples"} for p in ps]
                       for a, ps in parabolas.items()},
-        "lr_rules": {arch: rule_record(r) for arch, r in rules.items()}}, indent=1)
+        "lr_rules": {arch: rule_record(r) for arch, r in rules.items()},
+        "records": {name: describe(record) for name, record in records.items()}}), indent=1)
     write_section(report_dir, "Scaling ladder: L(C) per architecture", header, table, images)
     report([str(dir_of(run)) for run in runs], out=str(report_dir / "compare"),
            title=f"lm compare ladder: {spec.path.name}", sections=[str(report_dir)],
            positions=[1, max(2, seq_len // 8), seq_len])
-    print(f"lm compare ladder: wrote {report_dir / 'ladder.md'} and {report_dir / 'compare' / 'report.html'}")
+    print(f"lm compare ladder: wrote {report_dir / 'ladder.md'} and {report_dir / 'compare' / 'report.html'}",
+          file=sys.stderr)
     return report_dir

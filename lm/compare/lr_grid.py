@@ -6,6 +6,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
+from lm.compare.plan import count
 from lm.compare.run_results import RunResults
 
 
@@ -41,9 +42,24 @@ class ArchGroup:
         return sum(r.lr == lr for r in self.runs)
 
 
+# Settings that follow from a run's size or its length: runs that differ in them are named by their parameters and
+# tokens (a ladder's rungs), not by each setting.
+SHAPE = ("model.d_model", "model.n_layers", "model.n_heads", "model.head_dim", "model.mlp_ratio")
+LENGTH = ("trainer.max_steps", "optim.warmup_steps")
+
+
+def group_name(arch: str, run: RunResults, differing: list[str]) -> str:
+    """The arch, then what sets the run apart from the arch's other runs: its size and tokens where its shape or
+    length differs, and any other setting by name."""
+    parts = [f"{count(run.params)} params"] if set(differing) & set(SHAPE) else []
+    parts += [f"{count(run.tokens)} tokens"] if set(differing) & set(LENGTH) else []
+    parts += [f"{k}={run.setting[k]}" for k in differing if k not in SHAPE + LENGTH]
+    return f"{arch} ({', '.join(parts)})" if parts else arch
+
+
 def group_runs(runs: list[RunResults]) -> list[ArchGroup]:
     """One group per architecture; within one, runs whose settings differ beyond lr and seed are split apart and
-    named by those settings. The attention group comes first: it is the reference."""
+    named by what differs (size and tokens, or the setting). The attention group comes first: it is the reference."""
     by_arch = defaultdict(list)
     for run in runs:
         by_arch[run.arch].append(run)
@@ -54,7 +70,6 @@ def group_runs(runs: list[RunResults]) -> list[ArchGroup]:
         differing = [k for k in keys if len({repr(run.setting[k]) for run in members}) > 1]
         split = defaultdict(list)
         for run in members:
-            detail = ", ".join(f"{k}={run.setting[k]}" for k in differing)
-            split[f"{arch} ({detail})" if detail else arch].append(run)
+            split[group_name(arch, run, differing)].append(run)
         groups += [ArchGroup(name, arch, sorted(group, key=lambda r: r.path)) for name, group in split.items()]
     return sorted(groups, key=lambda g: (g.arch != "attention", g.name))

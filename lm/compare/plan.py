@@ -38,8 +38,9 @@ Steps = tokens / (global batch x seq_len), rounded.
 
 Learning rates: the paper tuned the peak lr per model, so each architecture gets its own grid. The default brackets
 the base config's optim.lr by factors of 2 (x0.5, x1, x2): that finds each mixer's optimum when it lies within 2x of
-the base, and shows on which side it lies when not. Seeds change the initialisation only; the data order (data.seed)
-is the base config's for every run, so runs of one size see the same tokens.
+the base, and shows on which side it lies when not. A seed is the whole stochastic setting: the initialisation and
+the data order (data.seed follows the run's seed), unless the base config fixes data.seed, when every run reads the
+corpus in that one order.
 
 Outputs under --out: plan.md (the table), plan.json (the same, exact, with each model config), configs/
 ARCH-lrLR-seedS.yaml (the base config's data/optim/trainer/strategy sections, the matched model, lr, seed,
@@ -71,6 +72,7 @@ MLP_RATIO_RANGE = (1.0, 6.0)  # SwiGLU hidden / d_model a matched model may have
 MLP_MULTIPLES = (64, 32, 16, 8)  # hidden widths tried, the most hardware-friendly first
 GOOD_ENOUGH = 0.005  # a coarser MLP multiple is kept when it comes this close
 WARMUP_FRACTION = 0.1
+PAPER_GLOBAL_BATCH = 256  # the MesaNet paper's sequences per step: a plan without --base trains at it
 # (d_model, n_layers, head_dim), n_heads = d_model / head_dim: the paper's sizes (768, 1024, 1536), wider ones at
 # its depth, and narrow ones with small heads, dense enough that the embedding's jumps leave few gaps.
 SHAPE_LADDER = (
@@ -369,8 +371,9 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
         seq_len: Training sequence length (default: the base config's data.seq_len).
         vocab_size: Embedding rows (default: the base config's model.vocab_size).
         base: An `lm train` YAML whose data/optim/trainer/strategy sections (and model options such as the logit
-            cap) the configs keep (default: lm train's defaults, the paper's recipe).
-        global_batch: Sequences per optimizer step (default: the base config's).
+            cap) the configs keep (default: the paper's recipe: lm train's defaults, which are its length 2048 and
+            AdamW schedule, with its 256 sequences per step).
+        global_batch: Sequences per optimizer step (default: the base config's; without --base, the paper's 256).
         lrs: Peak learning rates: one grid for all, or a mapping arch -> grid (default: base lr x 0.5, 1, 2).
         seeds: Seeds per learning rate (default: [0]).
         out: Directory for plan.md, plan.json, configs/, sweep.yaml and the runs.
@@ -392,6 +395,8 @@ def plan(archs: str | list[str] | None = None, match: Literal["params", "flops"]
     raw, run = load_base(base)
     seq_len = seq_len or run.data.seq_len
     template = model_template(run, arch_list, seq_len, vocab_size)
+    if base is None and global_batch is None:  # lm train's default is one micro-batch a step, not the paper's
+        global_batch = PAPER_GLOBAL_BATCH
     batch = sequences_per_step(run, global_batch)
     grid = lr_grid(lrs, arch_list, run.optim.lr)
     seeds = [0] if seeds is None else list(seeds)

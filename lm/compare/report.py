@@ -161,8 +161,10 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
         for png in pngs:
             shutil.copyfile(png, out_dir / png.name)
             images.append((heading, png.name))
-    intro = (f"{len(results)} runs, {len(groups)} architectures; each architecture's best learning rate picked by "
-             f"the final validation loss (mean over seeds).")
+    archs = len({g.arch for g in groups})
+    split = f" in {len(groups)} groups (an architecture at one size and length)" if len(groups) > archs else ""
+    intro = (f"{len(results)} runs of {archs} architecture(s){split}; each group's best learning rate picked by the "
+             f"final validation loss (mean over seeds).")
     (out_dir / "report.md").write_text(
         f"# {title}\n\n{intro}\n\n## Best run per architecture\n\n{markdown_table(main_header, main_shown)}\n"
         f"## Learning-rate grid\n\n{markdown_table(grid_header, grid_shown)}\n"
@@ -175,8 +177,8 @@ def report(runs: list[str], out: str = "reports/compare", positions: list[int] =
                        ("Learning-rate grid", html_table(grid_header, grid_shown, best)),
                        *[(heading, html_table(*cells)) for heading, cells in extra.items()]],
         [(caption, out_dir / name) for caption, name in images], NOTES))
-    print(f"lm compare report: {len(results)} runs, {len(groups)} architectures -> {out_dir}/report.md, report.csv, "
-          f"report.html", file=sys.stderr)
+    print(f"lm compare report: {len(results)} runs of {archs} architecture(s){split} -> {out_dir}/report.md, "
+          f"report.csv, report.html", file=sys.stderr)
     return out_dir
 
 

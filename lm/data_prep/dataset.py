@@ -14,11 +14,14 @@ import numpy as np
 from lm.util.errors import UserError
 from lm.util.output import write_json
 
-from .shards import FORMAT, MANIFEST, TAIL, SplitWriter, load_manifest, remove_outputs, sha256_file
+from .holdout import BY_TOKENS, Holdout, SplitWriter
+from .shards import FORMAT, MANIFEST, load_manifest, remove_outputs, sha256_file
 from .sources import Source
 from .tokenizer import save_tokenizer, separator, vocab_size_of
 
-VERSION = 2  # bump when the same inputs and settings would produce different shards (2: validation from a tail)
+VERSION = 3  # bump when the same inputs and settings would produce different shards (2: validation from a tail;
+# 3: validation by tokens, with a floor in windows)
+HOLDOUT_KEYS = ("val_seq_len", "min_val_windows")  # settings since version 3: older versions' fingerprints lack them
 
 
 def log(message: str) -> None:
@@ -40,12 +43,13 @@ def files_and_sizes(source: Source) -> list:
     return [[str(p), p.stat().st_size] for p in source.files]
 
 
-def settings(source: Source, tok_key: str, val_fraction: float, seed: int, shard_tokens: int,
+def settings(source: Source, tok_key: str, holdout: Holdout, seed: int, shard_tokens: int,
              identity=source_identity) -> dict:
     """Everything besides the code's VERSION that determines the output bytes (source_identity hashes every input
     file once)."""
-    return {"sources": identity(source), "tokenizer": tok_key, "val_fraction": val_fraction, "seed": seed,
-            "shard_tokens": shard_tokens, "text_field": source.text_field}
+    return {"sources": identity(source), "tokenizer": tok_key, "val_fraction": holdout.fraction, "seed": seed,
+            "shard_tokens": shard_tokens, "text_field": source.text_field, "val_seq_len": holdout.seq_len,
+            "min_val_windows": holdout.min_windows}
 
 
 def fingerprint(settings: dict, version: int = VERSION) -> str:
@@ -72,7 +76,9 @@ def make_target(directory: Path, given: dict, select: dict | None = None) -> Tar
     """The target of these settings (plus the selection of a recipe's source, which a plain prepare has not)."""
     if select is not None:
         given = {**given, "select": select}
-    return Target(Path(directory), tuple(fingerprint(given, v) for v in range(VERSION, 0, -1)), select)
+    older = {key: value for key, value in given.items() if key not in HOLDOUT_KEYS}
+    return Target(Path(directory), tuple(fingerprint(given if v >= 3 else older, v) for v in range(VERSION, 0, -1)),
+                  select)
 
 
 def reusable(out: Path, fps: tuple[str, ...], overwrite: bool) -> dict | None:
@@ -116,10 +122,10 @@ class Output:
     """One target being written: documents in order, then finish() writes its manifest, last (its presence means
     everything else is complete)."""
 
-    def __init__(self, target: Target, tokenizer: dict, dtype: str, shard_tokens: int, seed: int, val_fraction: float,
+    def __init__(self, target: Target, tokenizer: dict, dtype: str, shard_tokens: int, seed: int, holdout: Holdout,
                  sources: list[str]):
         self.target, self.tokenizer, self.dtype, self.sources = target, tokenizer, dtype, sources
-        self.writer = SplitWriter(target.directory, dtype, shard_tokens, seed, val_fraction)
+        self.writer = SplitWriter(target.directory, dtype, shard_tokens, seed, holdout)
         self.replaced = 0
 
     def add(self, ids: np.ndarray, replaced: int) -> None:
@@ -152,17 +158,22 @@ def fill(stream: Iterable[tuple[np.ndarray, int, str | None]], outputs: dict[str
 
 
 def summary(manifest: dict) -> str:
-    """Documents and tokens per split, how validation was held out when not by whole documents, and replaced
+    """Documents and tokens per split, how much validation holds (in windows, by holdout.py's rule), and replaced
     bytes, in one line."""
-    parts = [f"{s}: {e['documents']:,} documents, {e['tokens']:,} tokens" for s, e in manifest["splits"].items()]
-    if manifest["splits"]["validation"].get("held_out") == TAIL:
-        parts[-1] = tail_summary(manifest["splits"])
+    splits = manifest["splits"]
+    parts = [f"{s}: {e['documents']:,} documents, {e['tokens']:,} tokens" for s, e in splits.items()]
+    if splits["validation"].get("held_out") == BY_TOKENS:
+        parts[-1] += held_out(splits)
     return "; ".join(parts) + f"; {manifest['replaced_bytes']:,} replaced bytes"
 
 
-def tail_summary(splits: dict) -> str:
-    """The validation part of the summary when it came from the tail of the last document."""
-    val = splits["validation"]["tokens"]
-    share = 100 * val / (val + splits["train"]["tokens"])
-    return (f"validation: {val:,} tokens ({share:.2g}% of tokens) from {TAIL} "
-            "(too few documents to hold a whole one out)")
+def held_out(splits: dict) -> str:
+    """What validation holds beyond its counts: its share of the tokens, its windows against the floor, a document
+    cut in two."""
+    val = splits["validation"]
+    share = 100 * val["tokens"] / max(1, val["tokens"] + splits["train"]["tokens"])
+    said = f" ({share:.2g}% of the tokens), {val['windows']:,} windows of --seq_len {val['seq_len']}"
+    if val["windows"] < val["min_windows"]:
+        said += (f", fewer than --min_val_windows {val['min_windows']} since the floor takes at most a quarter of the "
+                 "corpus (add text, or lower --seq_len)")
+    return said + (", one of its documents the tail of a training document" if val["cut"] else "")

@@ -28,6 +28,7 @@ from .dataset import (
     source_identity,
     summary,
 )
+from .holdout import Holdout
 from .parallel import tokenized
 from .recipe import Recipe, RecipeSource, load_recipe, write_mixture
 from .sample import Sample, sample_documents, sample_groups
@@ -38,13 +39,16 @@ from .tokenizer import check_vocab_size, load_tokenizer, tokenizer_key, train_bp
 BUNDLED_CORPUS = shipped("data_prep/corpus/kjv.jsonl.gz")
 
 
-def check_settings(tokenizer: str | None, vocab_size: int, val_fraction: float, shard_tokens: int,
+def check_settings(tokenizer: str | None, vocab_size: int, holdout: Holdout, shard_tokens: int,
                    batch_docs: int, workers: int) -> None:
     """Reject impossible settings before reading anything."""
     if tokenizer is None:
         check_vocab_size(vocab_size)
-    if not 0 < val_fraction < 1:
-        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if not 0 < holdout.fraction < 1:
+        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {holdout.fraction}")
+    if holdout.seq_len < 1 or holdout.min_windows < 0:
+        raise UserError(f"--seq_len must be positive and --min_val_windows at least 0, got {holdout.seq_len} and "
+                        f"{holdout.min_windows}")
     if shard_tokens < 1 or batch_docs < 1:
         raise UserError(f"shard_tokens and batch_docs must be positive, got {shard_tokens} and {batch_docs}")
     if workers < 1:
@@ -77,7 +81,7 @@ class Job:
     tokenizer: str | None
     vocab_size: int
     sample: Sample
-    val_fraction: float
+    holdout: Holdout
     seed: int
     shard_tokens: int
     batch_docs: int
@@ -98,7 +102,7 @@ class Job:
         if sample and self.by_files:  # the sample is shared out by weight
             sample += f",by_source={sorted(self.weights().items())}"
         key = tokenizer_key(self.tokenizer, self.vocab_size, sample)
-        return settings(self.source, key, self.val_fraction, self.seed, self.shard_tokens, identity)
+        return settings(self.source, key, self.holdout, self.seed, self.shard_tokens, identity)
 
     def select(self, source: RecipeSource) -> dict:
         """Which documents go to a recipe's source: the field's value, or its files."""
@@ -179,7 +183,7 @@ def outputs(job: Job, targets: dict[str | None, Target], tokenizer: dict, dtype:
     def described(target: Target) -> list[str]:  # a source of files lists its own
         return target.select["files"] if target.select and "files" in target.select else job.source.describe()
 
-    return {group: Output(target, tokenizer, dtype, job.shard_tokens, job.seed, job.val_fraction, described(target))
+    return {group: Output(target, tokenizer, dtype, job.shard_tokens, job.seed, job.holdout, described(target))
             for group, target in targets.items()}
 
 
@@ -275,6 +279,8 @@ def prepare(
     tokenizer_sample_docs: int | None = None,
     tokenizer_sample_bytes: int | None = None,
     val_fraction: float = 0.01,
+    seq_len: int = 256,
+    min_val_windows: int = 64,
     seed: int = 0,
     shard_tokens: int = 2**27,
     batch_docs: int = 1000,
@@ -305,10 +311,15 @@ def prepare(
         tokenizer_sample_docs: Train the BPE on at most this many documents: the input files in an order shuffled by
             seed, each read from its start, until the budget (default: every document).
         tokenizer_sample_bytes: Likewise, at most about this many bytes of text (both: whichever ends first).
-        val_fraction: Fraction of whole documents held out for validation (at least one when there are two).
-            When the seeded draw holds none out (one document, or a few), validation is instead this fraction of
-            the tokens, taken from the tail of the last document if it is long enough.
-        seed: Seed of the train/validation split (and of the tokenizer's sample).
+        val_fraction: Fraction of the tokens held out for validation: documents spread over the corpus by a
+            seeded draw, topped up at the end from the corpus's last documents (one of them cut, if need be) to
+            this fraction and to the floor of min_val_windows (lm/data_prep/holdout.py).
+        seq_len: The length you will train at (lm train's data.seq_len), which the floor counts windows of; the
+            default is the demo's and the README recipe's. A corpus for a longer length needs it: 1% of a corpus
+            under about 13M tokens holds fewer than 64 windows of 2048.
+        min_val_windows: Validation holds at least this many windows of seq_len + 1 tokens (0: no floor), but the
+            floor takes at most a quarter of the corpus; the line that ends lm prepare says how many it holds.
+        seed: Seed of which documents validation draws (and of the tokenizer's sample).
         shard_tokens: Tokens per shard file.
         batch_docs: Documents per tokenizer batch (tokenized in parallel).
         workers: Processes that tokenize (1: this one, on the tokenizer's own threads); the bytes are the same.
@@ -326,7 +337,8 @@ def prepare(
     Returns:
         The manifest (as written to out/manifest.json); a recipe's mixture; with tasks, the plan or the part written.
     """
-    check_settings(tokenizer, vocab_size, val_fraction, shard_tokens, batch_docs, workers)
+    holdout = Holdout(val_fraction, seq_len, min_val_windows)
+    check_settings(tokenizer, vocab_size, holdout, shard_tokens, batch_docs, workers)
     sample = Sample(tokenizer_sample_docs, tokenizer_sample_bytes, seed)
     check_tasks(tasks, task, merge, dataset)
     book = load_recipe(recipe) if recipe is not None else None
@@ -345,7 +357,7 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"output path is not a directory: {out}")
-    job = Job(source, out, book, tokenizer, vocab_size, sample, val_fraction, seed, shard_tokens, batch_docs, workers,
+    job = Job(source, out, book, tokenizer, vocab_size, sample, holdout, seed, shard_tokens, batch_docs, workers,
               progress)
     if task is None and not merge:
         return run(job, overwrite, tasks)

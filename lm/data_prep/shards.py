@@ -1,4 +1,5 @@
-"""Token shards on disk: writing train/validation shards and manifest.json, and reading them back verified.
+"""Token shards on disk: writing a split's shards, and reading shards and manifest.json back verified (which
+tokens go to which split: holdout.py).
 
 A split is the concatenation of its shards, flat little-endian arrays of token ids: sep doc sep doc ...
 """
@@ -6,7 +7,6 @@ A split is the concatenation of its shards, flat little-endian arrays of token i
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,6 @@ FORMAT = "lm-shards/1"
 MANIFEST = "manifest.json"
 SPLITS = ("train", "validation")
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-WHOLE, TAIL = "whole documents", "the tail of the last document"  # how validation was held out (manifest)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -32,12 +31,6 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-def is_validation(index: int, seed: int, val_fraction: float) -> bool:
-    """Seeded, order-independent coin flip for document `index` (stable across runs and machines)."""
-    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
 
 
 def remove_outputs(directory: Path) -> None:
@@ -96,70 +89,6 @@ class ShardWriter:
         if self.file is not None:
             self._finish()
         return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
-
-
-def tail_length(ids: np.ndarray, corpus_tokens: int, val_fraction: float) -> int:
-    """Tokens the last document ([sep, *tokens]) gives to validation when the draw held no document out:
-    val_fraction of the corpus, if the document is long (its own share is a token or more) and keeps a token for
-    training; 0 when it cannot."""
-    content = len(ids) - 1
-    want = int(val_fraction * corpus_tokens)
-    return want if int(val_fraction * content) >= 1 and want < content else 0
-
-
-class SplitWriter:
-    """Routes whole documents to train/validation by the seeded draw of their index and writes their shards, one
-    document at a time (a pass that fills several datasets at once pushes into one writer each).
-
-    The last document is held back until close(): when the draw holds no document out, validation takes the tail of
-    the last document (tail_length), else the whole last document; the validation entry's `held_out` says which.
-    """
-
-    def __init__(self, directory: Path, dtype: str, shard_tokens: int, seed: int, val_fraction: float):
-        self.writers = {split: ShardWriter(directory, split, dtype, shard_tokens) for split in SPLITS}
-        self.seed, self.val_fraction = seed, val_fraction
-        self.pending, self.index, self.corpus_tokens = None, -1, 0
-
-    def add(self, ids: np.ndarray) -> None:
-        """The next document, [sep, *tokens]."""
-        if self.pending is not None:  # hold one back: the last document may be needed to fill an empty split
-            self._route(self.pending, self.index)
-        self.index += 1
-        self.pending = ids
-        self.corpus_tokens += len(ids)
-
-    def _route(self, ids: np.ndarray, index: int) -> None:
-        self.writers["validation" if is_validation(index, self.seed, self.val_fraction) else "train"].add(ids)
-
-    def close(self) -> dict:
-        """Place the held-back document, finish the shards; return {split: entry}."""
-        train, validation, pending, index = self.writers["train"], self.writers["validation"], self.pending, self.index
-        held_out = WHOLE
-        if pending is not None:
-            drawn = is_validation(index, self.seed, self.val_fraction)
-            none_held_out = validation.documents == 0 and (index == 0 or not drawn)
-            if none_held_out and (cut := tail_length(pending, self.corpus_tokens, self.val_fraction)):
-                train.add(pending[:-cut])
-                validation.add(np.concatenate([pending[:1], pending[-cut:]]))  # a separator starts a split
-                held_out = TAIL
-            elif index >= 1 and validation.documents == 0:
-                validation.add(pending)
-            elif train.documents == 0:
-                train.add(pending)
-            else:
-                self._route(pending, index)
-        splits = {split: writer.close() for split, writer in self.writers.items()}
-        splits["validation"]["held_out"] = held_out
-        return splits
-
-
-def write_splits(docs: Iterable[np.ndarray], directory: Path, dtype: str, shard_tokens: int,
-                 seed: int, val_fraction: float) -> dict:
-    """Write a stream of documents ([sep, *tokens] each) as train/validation shards (SplitWriter); {split: entry}."""
-    writer = SplitWriter(directory, dtype, shard_tokens, seed, val_fraction)
-    for ids in docs:
-        writer.add(ids)
-    return writer.close()
 
 
 def _check_format(manifest, path: Path) -> None:

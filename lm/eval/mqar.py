@@ -8,6 +8,7 @@ rest of the sequence, and every other position there holds the filler.
 `train_mqar` trains a small model of one mixer on it and reports accuracy.
 """
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,4 +242,5 @@ def mqar_table(mixers: list[str] | None = None,
               f"| {r['accuracy']:.1%} | {r['final_loss']:.3f} | {r['seconds']:.0f} |")
     if json_out:
         write_json(json_out, rows)
+        print(f"lm eval mqar: wrote {json_out}", file=sys.stderr)
     return rows

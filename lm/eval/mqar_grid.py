@@ -9,6 +9,7 @@ then collects the cells written so far into out/grid.csv, out/grid.md and out/ac
 import csv
 import itertools
 import json
+import sys
 import time
 import warnings
 from functools import partial
@@ -268,7 +269,8 @@ def mqar_grid(out: str = "runs/mqar_grid", mixers: list[str] | None = None, voca
              done=lambda name, row: report(row, start))
     rows = [r for c in cells if (r := read_cells(directory).get(c["name"]))]
     write_outputs(directory, rows)
-    print(f"{len(rows)} of {len(cells)} cells done; wrote {directory}/grid.csv, grid.md, accuracy_vs_state.png")
+    print(f"lm eval mqar-grid: {len(rows)} of {len(cells)} cells done; wrote grid.csv, grid.md and "
+          f"accuracy_vs_state.png in {directory}", file=sys.stderr)
     return rows
 
 

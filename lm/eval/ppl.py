@@ -10,6 +10,11 @@ document that began before the window. NLL_k is then the mean over the tokens at
 
 A run trained on a mixture (data.sources) is evaluated on each source, and as the mixture: each source's loss and NLL_k
 weighted by its share of the training windows, as validation weights val/loss.
+
+ppl.json records the window length (seq_len), the length the run trained at (trained_seq_len: data.seq_len of the
+run's config.yaml beside its checkpoints; null where it is not there) and the model's max_seq_len. A window past
+max_seq_len (--seq_len, or a multiple) is read with a warning of one line on stderr, never refused: every mixer of lm
+runs at any length, but none was trained there (lm/generate.py says why).
 """
 
 import csv
@@ -17,6 +22,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import torch
 import yaml
 
 from lm.eval.wandb_log import log_to_run
+from lm.generate import past_max_seq_len
 from lm.mixers.layers import steps_since_reset
 from lm.training.checkpoint import load_model, run_dir_of
 from lm.training.data import (
@@ -222,7 +229,8 @@ def weighted(results: list[dict], curves: list[list[dict]], targets: list[Target
     first = results[0]
     result = {"checkpoint": first["checkpoint"], "data": [t.path for t in targets], "split": first["split"],
               "seq_len": first["seq_len"], "trained_seq_len": first["trained_seq_len"],
-              "windows": sum(r["windows"] for r in results), "tokens": sum(r["tokens"] for r in results),
+              "max_seq_len": first["max_seq_len"], "windows": sum(r["windows"] for r in results),
+              "tokens": sum(r["tokens"] for r in results),
               "loss": loss, "ppl": math.exp(loss), "reset_at_documents": first["reset_at_documents"],
               "positions": first["positions"],
               "sources": {t.label: {key: r[key] for key in ("data", "weight", "windows", "tokens", "loss", "ppl")}
@@ -257,7 +265,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
             data than the run's own is written to RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN-NAME, NAME the run's name for that
             source, else the directory's name.
         split: Split to evaluate.
-        seq_len: Window length (default: the run's data.seq_len).
+        seq_len: Window length (default: the run's data.seq_len); past the model's max_seq_len (this or a multiple),
+            a warning on stderr: the model runs there but was never trained there.
         max_windows: Evaluate at most this many windows (of each source; default: all).
         batch_size: Windows per forward pass.
         out: Output directory (default: RUN_DIR/eval/ppl-SPLIT-TSEQ_LEN); where several folders are written (several
@@ -282,7 +291,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
     run_config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
     targets = eval_targets(run_config.get("data") or {}, data)
     mixture = targets[0].weight is not None
-    seq_len = seq_len or run_config.get("data", {}).get("seq_len") or hparams["model"]["max_seq_len"]
+    trained_seq_len = (run_config.get("data") or {}).get("seq_len")  # None: a checkpoint away from its run
+    seq_len = seq_len or trained_seq_len or model.cfg.max_seq_len
     resets = model.cfg.document_separator is not None
     positions = positions or ("document" if resets else "window")
     streams = [TokenStream(t.path, split, verify=False) for t in targets]  # every one found before any is evaluated
@@ -304,6 +314,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
                for key, name in names.items()}
     if out is None:
         check_folders(folders, targets)
+    if warning := past_max_seq_len(model.cfg, seq_len * max(multiples), "windows of up to"):
+        print(f"lm eval ppl: {warning}", file=sys.stderr)
     by_length = {}
     for multiple in multiples:
         length = seq_len * multiple
@@ -313,7 +325,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
                 model, ValidationWindows(stream, length, max_windows), batch_size, separator)
             rows, loss = curve(sums, tokens, length)
             result = {"checkpoint": str(checkpoint), "data": target.path, "split": split, "seq_len": length,
-                      "trained_seq_len": seq_len, "windows": n_windows, "tokens": n_windows * length, "loss": loss,
+                      "trained_seq_len": trained_seq_len, "max_seq_len": model.cfg.max_seq_len,
+                      "windows": n_windows, "tokens": n_windows * length, "loss": loss,
                       "ppl": math.exp(loss), "reset_at_documents": resets, "positions": positions}
             if target.weight is not None:
                 result["weight"] = target.weight
@@ -336,6 +349,8 @@ def evaluate_ppl(checkpoint: str, data: str | None = None, split: str = "validat
         write_result(folder, result, rows)
         print(json.dumps(result))
         by_length[length] = result
+    written = sorted({str(folders[key]) for key in names})
+    print(f"lm eval ppl: wrote ppl.json, per_position.csv and .png in {', '.join(written)}", file=sys.stderr)
     first = by_length[seq_len * multiples[0]]
     logged = {f"ppl_T{length}": r["ppl"] for length, r in by_length.items()}
     for length, r in by_length.items():

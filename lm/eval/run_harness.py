@@ -6,6 +6,7 @@ task's data is loaded before anything is evaluated, and a missing one ends with 
 """
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -137,5 +138,6 @@ def harness(checkpoint: str, suite: str | None = None, tasks: list[str] | None =
     log_to_run(run_dir_of(checkpoint), out_dir.name, {
         f"{task}/{key.split(',')[0]}": value for task, values in results.items() for key, value in values.items()
         if "," in key and "_stderr" not in key and isinstance(value, (int, float))})
+    print(f"lm eval harness: wrote results.json and results.md in {out_dir}", file=sys.stderr)
     print(table, end="")
     return results

@@ -31,14 +31,16 @@ def hf_tokenizer(tokenizer_file: str | Path, max_length: int) -> PreTrainedToken
                                    model_max_length=max_length)
 
 
-def save_hf(state_dict: dict, config: LMConfig, out: str | Path, tokenizer_file: str | Path | None) -> Path:
-    """The directory (without tokenizer files or special token ids when tokenizer_file is None)."""
+def save_hf(state_dict: dict, config: LMConfig, out: str | Path, tokenizer_file: str | Path | None,
+            metadata: dict[str, str] | None = None) -> Path:
+    """The directory (without tokenizer files or special token ids when tokenizer_file is None); `metadata` goes
+    into the weights' header (`lm export` records its source there)."""
     out = Path(out)
     tokenizer = hf_tokenizer(tokenizer_file, config.max_seq_len) if tokenizer_file is not None else None
     sep = tokenizer.bos_token_id if tokenizer is not None else None
     out.mkdir(parents=True, exist_ok=True)
     save_file({PREFIX + k: v.detach().cpu().float().contiguous().clone() for k, v in state_dict.items()},
-              str(out / WEIGHTS), metadata={"format": "pt"})
+              str(out / WEIGHTS), metadata=metadata or {"format": "pt"})
     user_mode(out / WEIGHTS)
     LMHFConfig(lm=asdict(config), vocab_size=config.vocab_size, hidden_size=config.d_model,
                num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,

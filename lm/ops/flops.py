@@ -140,33 +140,44 @@ def _mesa_parts(chunk: int, k: int, v: int) -> tuple[float, float, float]:
     return 2 * k * k + 2 * chunk * k, 4 * chunk * k + 2 * k * k, linear_attention_op_flops(chunk, k, v)
 
 
+def mesa_cg_vector_flops(k: int, cg_steps: int) -> float:
+    """CG's vector work per (padded) token and head for one solve (lm.ops.mesa._cg): the Jacobi start b / (diag(H) +
+    lam) and the starting residual's subtraction and norm (5K), then each step's two dot products p.Ap and r.r (4K)
+    and its three updates of x, r and p (6K). Unlike an elementwise gate, it grows with the steps."""
+    return 5 * k + 10 * k * cg_steps
+
+
 def mesa_cg_step_flops(chunk: int, k: int) -> float:
-    """One CG step per (padded) token and head: its matvec (the dot products and vector updates are not counted)."""
-    return _mesa_parts(chunk, k, k)[1]
+    """One CG step per (padded) token and head: its matvec and its vector work."""
+    return _mesa_parts(chunk, k, k)[1] + mesa_cg_vector_flops(k, 1) - mesa_cg_vector_flops(k, 0)
+
+
+def mesa_solve_flops(chunk: int, k: int, cg_steps: int) -> float:
+    """One solve per (padded) token and head: the key state, cg_steps + 1 matvecs (one for the starting residual) and
+    CG's vector work. The true residual that the Mesa mixer's telemetry measures after a solve (one more matvec) is
+    not the model's work and is not charged."""
+    setup, matvec, _ = _mesa_parts(chunk, k, k)
+    return setup + (cg_steps + 1) * matvec + mesa_cg_vector_flops(k, cg_steps)
 
 
 def mesa_op_flops(chunk: int, k: int, v: int, cg_steps: int) -> float:
-    """Per (padded) token and head: the key state, cg_steps + 2 matvecs (one for the starting residual, one for the
-    true residual that the Mesa mixer's telemetry asks for) and the readout. cg_steps = 0 is the readout alone (plus
-    H_T, 2K^2 per real token, added by `op_flops`)."""
+    """Per (padded) token and head: the solve and the readout. cg_steps = 0 is the readout alone (plus H_T, 2K^2 per
+    real token, added by `op_flops`)."""
     if cg_steps == 0:
         return linear_attention_op_flops(chunk, k, v)
-    setup, matvec, readout = _mesa_parts(chunk, k, v)
-    return setup + (cg_steps + 2) * matvec + readout
+    return mesa_solve_flops(chunk, k, cg_steps) + _mesa_parts(chunk, k, v)[2]
 
 
 def mesa_op_train_flops(chunk: int, k: int, v: int, cg_steps: int) -> float:
     """Forward + backward per (padded) token and head. The backward (lm/ops/mesa.py) is the right-hand side G_t^T do_t
     (a linear attention), the key state again and the adjoint CG solve, then the surrogate: the readouts G_t x and
-    H_t x recomputed and differentiated with x held constant, which skips the query gradient of q k^T (2CK each).
-    The adjoint solve measures its true residual too."""
+    H_t x recomputed and differentiated with x held constant, which skips the query gradient of q k^T (2CK each)."""
     if cg_steps == 0:
         return 3 * mesa_op_flops(chunk, k, v, 0)
-    setup, matvec, readout = _mesa_parts(chunk, k, v)
-    solve = setup + (cg_steps + 2) * matvec
+    readout = _mesa_parts(chunk, k, v)[2]
     key_readout = linear_attention_op_flops(chunk, k, k)
     surrogate = 3 * (readout + key_readout) - 2 * (2 * chunk * k)
-    return mesa_op_flops(chunk, k, v, cg_steps) + readout + solve + surrogate
+    return mesa_op_flops(chunk, k, v, cg_steps) + readout + mesa_solve_flops(chunk, k, cg_steps) + surrogate
 
 
 # Plans only (`expected_cg_steps`): the factor by which CG's relative residual is taken to fall per step. On the inputs

@@ -127,6 +127,8 @@ class RunConfig:
 
     def __post_init__(self):
         check_data(self.data)
+        if self.data.seed is None:  # the data order follows the run's seed unless fixed (lm.training.data)
+            self.data.seed = self.seed
         if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
             raise UserError(f"run_dir {self.run_dir} is a file, not a directory")
 

@@ -162,7 +162,8 @@ class DataConfig:
         global_batch: Sequences per optimizer step over all devices (None: micro_batch x accumulate x world).
         global_batch_tokens: The same in tokens (a multiple of seq_len); give either.
         num_workers: Data-loader worker processes per device.
-        seed: Seed of the window order.
+        seed: Seed of the window order (None: the run's seed, so that a seed varies the initialisation and the
+            data order together; set it to fix the order across seeds on purpose).
         val_windows: Validation windows evaluated each time, per source (None: all of them; 0: no validation at
             all).
         verify: Check every shard's sha256 against the manifest when loading.
@@ -179,7 +180,7 @@ class DataConfig:
     global_batch: int | None = None
     global_batch_tokens: int | None = None
     num_workers: int = 1
-    seed: int = 0
+    seed: int | None = None
     val_windows: int | None = 256
     verify: bool = True
     reset_at_documents: bool = False

@@ -65,7 +65,8 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         rank, replicas = self.replica
-        dataset = TrainWindows(self.train_streams, self.cfg.seq_len, self.cfg.micro_batch, self.cfg.seed,
+        seed = 0 if self.cfg.seed is None else self.cfg.seed  # None outside a run (RunConfig sets the run's seed)
+        dataset = TrainWindows(self.train_streams, self.cfg.seq_len, self.cfg.micro_batch, seed,
                                self.windows_consumed, rank, replicas, self.schedule)
         return DataLoader(dataset, batch_size=None, num_workers=self.cfg.num_workers,
                           persistent_workers=False)

@@ -40,6 +40,7 @@ from lm.training.data_only import reading_data_only, require_data_only
 from lm.training.launch_guard import RunDirLock, check_launch
 from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
+from lm.training.run_record import launch_entry, record_launch
 from lm.training.step_checkpoint import StepCheckpoint
 from lm.training.stop_request import StoppedForRequeue
 from lm.training.strategy import StrategyConfig, build_strategy
@@ -269,6 +270,9 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     stop, stability = GracefulStop(), StabilityMonitor(config.trainer.stop_after_skips)
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
+        # What made this launch, before it trains (lm.training.run_record): a reported number can be traced to it.
+        record_launch(run_dir, launch_entry(config.strategy.accelerator, [s.path for s in datamodule.sources],
+                                            checkpoint, config.strategy.world_size))
         # the model as built: a hybrid's mix shows here (a cut pattern would have)
         print(f"lm train: {module.model.num_params():,} parameters; {config.model.layer_summary()}", file=sys.stderr)
         context = f" (context parallel: {pieces} processes share each window)" if pieces > 1 else ""

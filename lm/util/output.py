@@ -38,6 +38,22 @@ def write_json(path: Path, value, indent: int = 2) -> None:
     write_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(value, indent=indent) + "\n"))
 
 
+def strict_json(value):
+    """`value` with every number JSON cannot hold (nan, inf) as None and numpy's numbers and arrays as Python's, so
+    that a strict reader (one that refuses NaN) takes the file."""
+    import math
+
+    if isinstance(value, dict):
+        return {key: strict_json(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy arrays and scalars
+        return strict_json(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     cell = lambda text: str(text).replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + " --- |" * len(header)]

@@ -4,6 +4,7 @@ lm-eval tasks (jsonl + YAML) in its lm_eval/ folder."""
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 from lm.eval.longctx.probes import PROBES, make_example, score
@@ -108,4 +109,5 @@ def longctx(checkpoint: str, probes: list[str] = list(PROBES),  # noqa: B006
         means[f"{probe}/mean_accuracy"] = sum(cells) / len(cells)
         print(f"{probe}: mean accuracy {means[f'{probe}/mean_accuracy']:.3f} over {len(cells)} cells")
     log_to_run(run_dir_of(checkpoint), out_dir.name, means, rows)
+    print(f"lm eval longctx: wrote grid.csv, each probe's grid PNG and outputs in {out_dir}", file=sys.stderr)
     return rows
