@@ -30,8 +30,10 @@ def model_of(path: Path) -> LMConfig:
 
 # bench/, research/ and compare/ hold a command's settings (`--config` of `lm bench ...`, `lm research ...` or
 # `lm compare ...`), not run configs; so do ladder/'s ladder files (tests/test_ladder.py loads them), whose
-# *_base.yaml are run configs, and data/'s recipes (`lm prepare --recipe`; tests/test_prepare_parallel.py loads them).
-RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml") if p.parent.name not in ("bench", "research", "compare", "data")
+# *_base.yaml are run configs, data/'s recipes (`lm prepare --recipe`; tests/test_prepare_parallel.py loads them) and
+# state_tracking/'s presets (`lm eval state-tracking --preset`; tests/test_state_tracking.py loads them).
+RUN_CONFIGS = sorted(p for p in CONFIGS.rglob("*.yaml")
+                     if p.parent.name not in ("bench", "research", "compare", "data", "state_tracking")
                      and (p.parent.name != "ladder" or p.stem.endswith("_base")))
 
 

@@ -1,286 +1,234 @@
-"""State tracking: parity and the word problems of S3 and S5 (`lm eval state-tracking`).
+"""State tracking: parity and the word problems of S3, A5 and S5 (`lm eval state-tracking`).
 
-A sequence is a word of group elements x_1 .. x_T drawn uniformly; at every position the model predicts the running
-product p_t = x_1 x_2 ... x_t (apply x_1 first). Parity is the word problem of S2 (a swap flips it, the identity keeps
-it); S3 (6 elements, not abelian) and S5 (120, not solvable) are the permutation groups of the negative-eigenvalue
-(Grazzi et al., arXiv 2411.12537) and DeltaProduct (Siems et al., arXiv 2502.10297) papers. A linear recurrence whose
-state transitions have eigenvalues in [0, 1] cannot track parity at every length; a delta rule with beta in [0, 2]
-reaches eigenvalue -1, and products of Householder steps reach the rotations S3 and S5 need.
+Each model (a mixer, or a variant "mixer@option=value", e.g. "deltanet@beta_range=[0,2]") reads words of group elements
+and predicts the running product at every position (lm/eval/state_tracking_words.py). A linear recurrence whose state
+transitions have eigenvalues in [0, 1] cannot track parity at every length; a delta rule with beta in [0, 2] reaches
+eigenvalue -1, and products of Householder steps reach the rotations S3 and S5 need (Grazzi et al., arXiv 2411.12537;
+Siems et al., arXiv 2502.10297).
 
-Each model (a mixer, or a variant "mixer@option=value", e.g. "deltanet@beta_range=[0,2]") is trained on words of the
-training length, every position scored, with fresh words every step, and tested on fresh words at the training length
-and at 2x and 4x: the accuracy at the last position (the whole word's product), over `test_words` words per length.
-Each model, task and seed is one job (lm.util.workers), so `--workers 2` uses both cores of a CPU machine.
+What runs (lm/eval/state_tracking_settings.py): the defaults, or a preset (`--preset papers`,
+configs/state_tracking/papers.yaml), with any setting given on the command line in its place. With several lrs, each
+(task, model) first trains every lr at the sweep's seed, and then its seeds, fresh runs, at the lr whose run was best
+(lm/eval/state_tracking_report.py's sweep_score); the sweep's runs are not seeds. Each run keeps its learning curve and
+stops once it has solved the training length; it is tested at every position of longer words
+(lm/eval/state_tracking_run.py).
 
-Outputs under --out: runs/TASK/MODEL-sSEED.json (each run as it ends: a rerun with the same settings trains only
-the runs missing), results.json (every run), state_tracking.md (the table: mean over seeds with min-max) and
-state_tracking.png.
+Outputs under --out: runs/TASK/MODEL-sSEED.json and runs/TASK/sweep/MODEL-lrLR.json (each run as it ends, with its
+settings: a rerun with the same settings trains only what is missing), results.json (the settings, every run, the
+chosen lrs, the summary), state_tracking.md (the tables), state_tracking.png (accuracy against test length),
+by_position.png and curves_TASK.png. Progress goes to stderr: a line at the start, one per point of a run's curve and
+one per finished run.
 """
 
+import dataclasses
 import functools
-import itertools
 import json
 import re
-import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
+from lm.eval.state_tracking_report import (
+    best_lr,
+    plot_by_position,
+    plot_curves,
+    plot_lengths,
+    results_table,
+    summarise,
+    sweep_table,
+)
+from lm.eval.state_tracking_run import build, parse_model, train_one
+from lm.eval.state_tracking_settings import Settings, load_preset, overridden
+from lm.eval.state_tracking_words import TASKS
 from lm.mixers import MIXERS, MixerOptionError
-from lm.model import LanguageModel, LMConfig
 from lm.util.errors import UserError
-from lm.util.output import markdown_table, write_json
-from lm.util.plotting import pyplot, save
-from lm.util.workers import run_jobs
-
-TASKS = {"parity": 2, "s3": 3, "s5": 5}  # task -> n of the permutation group S_n (parity: S2)
-# The models of docs/state_tracking.md: the delta rules with beta in [0, 1] and in [0, 2], the Householder products of
-# DeltaProduct (with its paper's beta in [0, 2]), and their neighbours.
-DEFAULT_MODELS = ["attention", "mamba2", "mlstm", "deltanet", "deltanet@beta_range=[0,2]", "gated_deltanet",
-                  "gated_deltanet@beta_range=[0,2]", "gated_deltaproduct@householder_steps=2@beta_range=[0,2]",
-                  "gated_deltaproduct@householder_steps=3@beta_range=[0,2]", "kda", "mesa"]
+from lm.util.output import write_json
+from lm.util.workers import run_jobs, set_threads
 
 
-@functools.cache
-def group(n: int) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
-    """(the multiplication table [n!, n!] of S_n, its elements): table[a, b] is the permutation a then b."""
-    elements = list(itertools.permutations(range(n)))
-    index = {p: i for i, p in enumerate(elements)}
-    table = torch.tensor([[index[tuple(b[a[i]] for i in range(n))] for b in elements] for a in elements])
-    return table, elements
+def say(text: str) -> None:
+    print(f"lm eval state-tracking: {text}", file=sys.stderr, flush=True)
 
 
-def words(task: str, batch: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements [batch, length], running products [batch, length]) of uniformly drawn words."""
-    table, elements = group(TASKS[task])
-    x = torch.randint(len(elements), (batch, length), generator=generator)
-    products = [x[:, 0]]
-    for t in range(1, length):
-        products.append(table[products[-1], x[:, t]])
-    return x, torch.stack(products, dim=1)
+def check(settings: Settings, out: str, workers: int) -> None:
+    """Every setting and model checked (each model built once) before anything trains or is written."""
+    if not settings.models:
+        raise UserError("--tasks: no task to run")
+    if unknown := [t for t in settings.models if t not in TASKS]:
+        raise UserError(f"--tasks: unknown {', '.join(unknown)}; known: {', '.join(TASKS)}")
+    for name in ("length", "batch", "d_model", "n_layers", "n_heads", "head_dim", "eval_every", "val_words",
+                 "test_words"):
+        if getattr(settings, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(settings, name)}")
+    if workers < 1 or min(settings.max_steps.values()) < 1:
+        raise UserError("--workers and --steps must be at least 1")
+    if not settings.seeds or not settings.multiples or min(settings.multiples) < 1:
+        raise UserError("--seeds and --multiples must be non-empty, multiples at least 1")
+    if not settings.lrs or min(settings.lrs) <= 0 or len(set(settings.lrs)) != len(settings.lrs):
+        raise UserError(f"--lrs must be distinct and positive, got {settings.lrs}")
+    if len(settings.lrs) > 1 and settings.sweep_seed in settings.seeds:
+        raise UserError(f"--sweep_seed {settings.sweep_seed} is one of --seeds {settings.seeds}: the sweep's runs "
+                        f"are not seeds (give another)")
+    if not 0 < settings.solved_at <= 1:
+        raise UserError(f"--solved_at must be in (0, 1], got {settings.solved_at}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file, not a directory")
+    for task, options in settings.options.items():
+        if task not in settings.models:
+            raise UserError(f"options for {task}, a task not run (tasks: {', '.join(settings.models)})")
+        mixers = {parse_model(spec)[0] for spec in settings.models[task]}
+        have = {f.name for mixer in mixers for f in dataclasses.fields(MIXERS[mixer].Options)}
+        if unknown := sorted(set(options) - have):
+            raise UserError(f"options for {task}: no model of it has {', '.join(unknown)}")
+    for task, spec in dict.fromkeys((t, m) for t, models in settings.models.items() for m in models):
+        try:
+            build(task, spec, settings.d_model, settings.n_layers, settings.n_heads, settings.head_dim,
+                  settings.mlp_ratio, settings.length, settings.options.get(task))
+        except (MixerOptionError, ValueError) as err:
+            raise UserError(f"--models: {spec}: {err}") from None
 
 
-def option_value(text: str):
-    """A variant's option as written after `=`: JSON (a number, true/false, null, a list), else a word."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+def file_name(spec: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", spec)
 
 
-def parse_model(spec: str) -> tuple[str, dict]:
-    """(mixer, options) of "mixer" or "mixer@option=value@...", checked against the mixer's Options."""
-    mixer, *items = spec.split("@")
-    if mixer not in MIXERS:
-        raise UserError(f"--models: unknown mixer {mixer!r} in {spec!r}; known: {', '.join(MIXERS)}")
-    options = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise UserError(f"--models: {item!r} in {spec!r} is not OPTION=VALUE")
-        options[key] = option_value(text)
-    try:
-        MIXERS[mixer].check_options(options)
-    except MixerOptionError as err:
-        raise UserError(f"--models: {spec}: {err}") from None
-    return mixer, options
+def run_file(out_dir: Path, task: str, spec: str, seed: int, lr: float, sweep: bool) -> Path:
+    """Where a run keeps its record: runs/TASK/MODEL-sSEED.json, a sweep's runs/TASK/sweep/MODEL-lrLR.json."""
+    if sweep:
+        return out_dir / "runs" / task / "sweep" / f"{file_name(spec)}-lr{lr:g}.json"
+    return out_dir / "runs" / task / f"{file_name(spec)}-s{seed}.json"
 
 
-def build(task: str, mixer: str, options: dict, d_model: int, n_layers: int, n_heads: int, head_dim: int,
-          max_len: int) -> LanguageModel:
-    return LanguageModel(LMConfig(vocab_size=len(group(TASKS[task])[1]), d_model=d_model, n_layers=n_layers,
-                                  n_heads=n_heads, head_dim=head_dim, mixer=mixer, mixer_options={mixer: options},
-                                  max_seq_len=max_len, logit_soft_cap=None, mlp_ratio=2.0))
+def as_json(value) -> dict:
+    """`value` as it reads back from JSON (tuples as lists), so that saved settings compare equal."""
+    return json.loads(json.dumps(value))
 
 
-def last_accuracy(model: LanguageModel, task: str, length: int, count: int, generator: torch.Generator,
-                  batch: int = 128) -> float:
-    """The share of `count` fresh words of `length` whose whole product the model predicts at the last position."""
-    right = 0
-    with torch.no_grad():
-        for start in range(0, count, batch):
-            x, y = words(task, min(batch, count - start), length, generator)
-            logits, _ = model(x)
-            right += int((logits[:, -1].argmax(-1) == y[:, -1]).sum())
-    return right / count
-
-
-def train_one(task: str, spec: str, seed: int, length: int, steps: int, batch: int, lr: float, d_model: int,
-              n_layers: int, n_heads: int, head_dim: int, test_words: int, multiples: tuple[int, ...]) -> dict:
-    """Train one model on one task at one seed (AdamW, one-cycle schedule, fresh words every step, every position
-    scored); its last-position accuracy at each multiple of the training length."""
-    mixer, options = parse_model(spec)
-    torch.manual_seed(seed)
-    model = build(task, mixer, options, d_model, n_layers, n_heads, head_dim, length * max(multiples))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=steps, pct_start=0.1)
-    data = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    for _ in range(steps):
-        x, y = words(task, batch, length, data)
-        logits, _ = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        schedule.step()
-    model.eval()
-    test = torch.Generator().manual_seed(seed + 10_000)
-    accuracy = {str(m): last_accuracy(model, task, m * length, test_words, test) for m in multiples}
-    return {"task": task, "model": spec, "seed": seed, "length": length, "steps": steps, "lr": lr,
-            "final_loss": loss.item(), "accuracy": accuracy, "params": model.num_params(),
-            "seconds": time.perf_counter() - start}
-
-
-def summarise(rows: list[dict], multiples: tuple[int, ...]) -> list[dict]:
-    """Mean, min and max over seeds of each (task, model)'s accuracy at each multiple."""
-    out = []
-    for (task, spec), runs in itertools.groupby(sorted(rows, key=lambda r: (r["task"], r["model"])),
-                                                key=lambda r: (r["task"], r["model"])):
-        runs = list(runs)
-        entry = {"task": task, "model": spec, "seeds": [r["seed"] for r in runs]}
-        for m in multiples:
-            values = [r["accuracy"][str(m)] for r in runs]
-            entry[str(m)] = {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-                             "values": values}
-        out.append(entry)
-    return out
-
-
-def table(summary: list[dict], models: list[str], tasks: list[str], multiples: tuple[int, ...]) -> str:
-    """One row per model, one column per task and length: mean accuracy over seeds [min, max]."""
-    found = {(s["task"], s["model"]): s for s in summary}
-    header = ["model"] + [f"{task} {m}x" for task in tasks for m in multiples]
-    rows = []
-    for spec in models:
-        cells = [spec]
-        for task in tasks:
-            for m in multiples:
-                s = found.get((task, spec))
-                cells.append("–" if s is None else f"{s[str(m)]['mean']:.1%} [{s[str(m)]['min']:.0%}, "
-                                                   f"{s[str(m)]['max']:.0%}]")
-        rows.append(cells)
-    return markdown_table(header, rows)
-
-
-def plot(summary: list[dict], models: list[str], tasks: list[str], multiples: tuple[int, ...], path: Path) -> None:
-    """Per task, each model's mean accuracy (and the seeds' range) against the test length."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
-    found = {(s["task"], s["model"]): s for s in summary}
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for spec in models:
-            if (s := found.get((task, spec))) is None:
-                continue
-            means = [s[str(m)]["mean"] for m in multiples]
-            line, = ax.plot(multiples, means, marker="o", label=spec)
-            ax.fill_between(multiples, [s[str(m)]["min"] for m in multiples], [s[str(m)]["max"] for m in multiples],
-                            color=line.get_color(), alpha=0.15)
-        ax.axhline(1 / len(group(TASKS[task])[1]), color="grey", linestyle=":", linewidth=1)
-        ax.set(title=task, xlabel="test length / training length", ylabel="last-position accuracy", ylim=(0, 1.02),
-               xscale="log", xticks=list(multiples), xticklabels=[f"{m}x" for m in multiples])
-        ax.minorticks_off()  # a log axis would label 3 as well
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    save(fig, path)
-
-
-def run_file(out_dir: Path, name: str) -> Path:
-    """Where the run `name` ("task/model/sSEED") keeps its row: one file per run, its model spec made a file name."""
-    task, spec, seed = name.split("/")
-    return out_dir / "runs" / task / (re.sub(r"[^A-Za-z0-9_.-]+", "_", spec) + f"-{seed}.json")
-
-
-def shape_json(shape: dict) -> dict:
-    """The settings as they read back from JSON (tuples as lists), so that a saved run compares equal."""
-    return json.loads(json.dumps(shape))
-
-
-def finished_run(out_dir: Path, name: str, shape: dict) -> dict | None:
-    """The row of `name` saved by an earlier call with the same settings, else None (a changed setting retrains)."""
-    path = run_file(out_dir, name)
+def finished(path: Path, settings: dict) -> dict | None:
+    """The run saved at `path` by an earlier call with the same settings, else None (a changed setting retrains)."""
     if not path.is_file():
         return None
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError:  # a run cut while writing: train it again
         return None
-    row = saved.get("run", {})
-    same = saved.get("settings") == shape_json(shape) and (row.get("task"), row.get("model"), f"s{row.get('seed')}") \
-        == tuple(name.split("/"))
-    return row if same else None
+    return saved["run"] if saved.get("settings") == as_json(settings) else None
 
 
-def state_tracking(tasks: list[str] = list(TASKS), models: list[str] = DEFAULT_MODELS,  # noqa: B006
-                   seeds: list[int] = [0, 1, 2], length: int = 32, steps: int = 600, batch: int = 64,  # noqa: B006
-                   lr: float = 3e-3, d_model: int = 32, n_layers: int = 1, n_heads: int = 2, head_dim: int = 16,
-                   test_words: int = 256, multiples: list[int] = [1, 2, 4], workers: int = 2,  # noqa: B006
+def train_all(out_dir: Path, runs: list[tuple[str, str, int, float]], shapes: dict[str, dict], sweep: bool,
+              workers: int, counter: list[int]) -> list[dict]:
+    """Each run (task, model, seed, lr): its saved record, or trained now and saved as it ends. `counter`: [runs
+    finished so far, all runs], for the progress lines."""
+    rows, jobs, where = {}, {}, {}
+    for task, spec, seed, lr in runs:
+        name = f"{task}/{spec}/" + (f"lr{lr:g}" if sweep else f"s{seed}")
+        settings = {**shapes[task], "task": task, "model": spec, "seed": seed, "lr": lr}
+        where[name] = (run_file(out_dir, task, spec, seed, lr, sweep), settings)
+        if (row := finished(*where[name])) is not None:
+            rows[name] = row
+        else:
+            jobs[name] = functools.partial(train_one, task, spec, seed, lr, **shapes[task], name=name)
+
+    def done(name: str, row: dict) -> None:
+        path, settings = where[name]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"settings": as_json(settings), "run": row})  # a rerun skips it
+        counter[0] += 1
+        stop = (f"solved at step {row['solved_step']}" if row["solved_step"] else
+                "diverged" if row["diverged"] else f"not solved in {row['steps']} steps")
+        say(f"{name} (lr {row['lr']:g}) {stop}; " + ", ".join(f"{m}x {a:.0%}" for m, a in row["accuracy"].items())
+            + f" ({row['cpu_seconds']:.0f} CPU-s) [{counter[0]} of {counter[1]} runs]")
+
+    rows.update(run_jobs(jobs, workers, done=done))
+    return [rows[name] for name in where]
+
+
+def state_tracking(preset: str | None = None, tasks: list[str] | None = None, models: list[str] | None = None,
+                   lrs: list[float] | None = None, seeds: list[int] | None = None, sweep_seed: int | None = None,
+                   steps: int | None = None, length: int | None = None, batch: int | None = None,
+                   d_model: int | None = None, n_layers: int | None = None, n_heads: int | None = None,
+                   head_dim: int | None = None, eval_every: int | None = None, solved_at: float | None = None,
+                   test_words: int | None = None, multiples: list[int] | None = None, workers: int = 1,
                    out: str = "runs/state-tracking") -> list[dict]:
-    """Train a small model of each mixer on parity and the S3 and S5 word problems; its accuracy at the training
-    length and at 2x and 4x.
+    """Train a small model of each mixer on parity and the S3, A5 and S5 word problems: an lr sweep, seeds at the
+    best lr, learning curves, and the accuracy at every position up to 4x the training length.
 
     Args:
-        tasks: Of parity, s3, s5.
-        models: Mixers or variants "mixer@option=value@..." (values as JSON: "deltanet@beta_range=[0,2]").
-        seeds: Seeds of the model and its data; each a run.
+        preset: Settings from configs/state_tracking/NAME.yaml ("papers": the negative-eigenvalue and DeltaProduct
+            papers' setting, scaled to a CPU); none: the quick probe. Any option below given replaces its setting.
+        tasks: Of parity, s3, a5, s5 (default: the preset's).
+        models: Mixers or variants "mixer@option=value@..." (values as JSON: "deltanet@beta_range=[0,2]";
+            "@layers=2" for two layers), for every task (default: the preset's, per task).
+        lrs: Peak learning rates; several: a sweep at sweep_seed, then the seeds at the best.
+        seeds: Seeds of the model and its data, each a run at the chosen lr.
+        sweep_seed: The seed of the sweep's runs (not one of seeds).
+        steps: The most training steps of a run, for every task (it stops once it has solved the training length).
         length: Training length (words of this many elements).
-        steps: Training steps per run (fresh words every step).
         batch: Words per step.
-        lr: Peak learning rate (one-cycle).
         d_model: Width.
         n_layers: Layers.
         n_heads: Heads.
         head_dim: Key size per head.
-        test_words: Test words per length.
+        eval_every: Steps between two points of the learning curve.
+        solved_at: Share of validation words right at every position that stops a run.
+        test_words: Test words (of the longest multiple).
         multiples: Test lengths, as multiples of the training length.
         workers: Runs at once, each in a process of one thread.
-        out: Output directory (results.json, state_tracking.md, state_tracking.png).
+        out: Output directory.
     """
-    if unknown := [t for t in tasks if t not in TASKS]:
-        raise UserError(f"--tasks: unknown {', '.join(unknown)}; known: {', '.join(TASKS)}")
-    for name, value in (("length", length), ("steps", steps), ("batch", batch), ("test_words", test_words),
-                        ("workers", workers), ("n_layers", n_layers)):
-        if value < 1:
-            raise UserError(f"--{name} must be at least 1, got {value}")
-    if not seeds or not multiples or min(multiples) < 1 or not lr > 0:
-        raise UserError("--seeds and --multiples must be non-empty, multiples at least 1 and --lr positive")
-    if Path(out).exists() and not Path(out).is_dir():
-        raise UserError(f"--out {out} is a file, not a directory")
-    for spec in models:  # every model built once, before any trains: a bad option or shape is one line
-        mixer, options = parse_model(spec)
-        try:
-            build("parity", mixer, options, d_model, n_layers, n_heads, head_dim, length)
-        except (MixerOptionError, ValueError) as err:
-            raise UserError(f"--models: {spec}: {err}") from None
-    multiples = tuple(multiples)
-    shape = dict(length=length, steps=steps, batch=batch, lr=lr, d_model=d_model, n_layers=n_layers,
-                 n_heads=n_heads, head_dim=head_dim, test_words=test_words, multiples=multiples)
+    settings = overridden(load_preset(preset), tasks, models, steps, lrs=lrs, seeds=seeds, sweep_seed=sweep_seed,
+                          length=length, batch=batch, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                          head_dim=head_dim, eval_every=eval_every, solved_at=solved_at, test_words=test_words,
+                          multiples=multiples)
+    check(settings, out, workers)
+    set_threads(1)  # a run in this process (one worker) takes one thread, as a worker's does
     out_dir = Path(out)
-    names = {f"{task}/{spec}/s{seed}": (task, spec, seed) for task in tasks for spec in models for seed in seeds}
-    finished = {name: row for name in names if (row := finished_run(out_dir, name, shape)) is not None}
-    if finished:
-        print(f"lm eval state-tracking: {len(finished)} of {len(names)} runs already done in {out_dir / 'runs'}",
-              flush=True)
-    jobs = {name: functools.partial(train_one, *names[name], **shape) for name in names if name not in finished}
-
-    def done(name: str, row: dict) -> None:
-        path = run_file(out_dir, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"settings": shape_json(shape), "run": row})  # a rerun skips it
-        print(f"lm eval state-tracking: {name}: " + ", ".join(
-            f"{m}x {row['accuracy'][str(m)]:.0%}" for m in multiples) + f" ({row['seconds']:.0f} s)", flush=True)
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    trained = run_jobs(jobs, workers, done=done)
-    rows = [finished[name] if name in finished else trained[name] for name in names]
-    summary = summarise(rows, multiples)
-    write_json(out_dir / "results.json", {"settings": {**shape, "seeds": seeds, "tasks": tasks}, "runs": rows,
-                                          "summary": summary})
-    text = table(summary, models, tasks, multiples)
-    (out_dir / "state_tracking.md").write_text(text)
-    plot(summary, models, tasks, multiples, out_dir / "state_tracking.png")
-    print(text)
-    print(f"wrote {out_dir / 'state_tracking.md'}, {out_dir / 'state_tracking.png'} and results.json")
+    shapes = {task: settings.run_shape(task) for task in settings.models}
+    pairs = [(task, spec) for task, specs in settings.models.items() for spec in specs]
+    swept = len(settings.lrs) > 1
+    sweep_runs = [(t, s, settings.sweep_seed, lr) for t, s in pairs for lr in settings.lrs] if swept else []
+    counter = [0, len(sweep_runs) + len(pairs) * len(settings.seeds)]
+    say(f"{preset or 'default'} settings: {len(settings.models)} task(s), {len(pairs)} (task, model) pairs; "
+        + (f"an lr sweep ({', '.join(f'{lr:g}' for lr in settings.lrs)}) at seed {settings.sweep_seed}, then "
+           if swept else f"lr {settings.lrs[0]:g}, ")
+        + f"seeds {settings.seeds}: {counter[1]} runs, {workers} worker(s); writing to {out_dir}")
+    start = time.perf_counter()
+    sweeps, rows, chosen = [], [], {}
+    for task, spec in pairs:  # a model's sweep, then its seeds: each model's results whole before the next one's
+        pair_sweeps = train_all(out_dir, [r for r in sweep_runs if r[:2] == (task, spec)], shapes, True, workers,
+                                counter)
+        chosen[task, spec] = best_lr(pair_sweeps) if swept else settings.lrs[0]
+        rows += train_all(out_dir, [(task, spec, seed, chosen[task, spec]) for seed in settings.seeds], shapes, False,
+                          workers, counter)
+        sweeps += pair_sweeps
+    write_outputs(out_dir, settings, preset, sweeps, rows, chosen)
+    say(f"{counter[0]} runs trained, {counter[1] - counter[0]} reused, in {time.perf_counter() - start:.0f} s")
+    say(f"wrote {out_dir / 'state_tracking.md'}, results.json and the plots (state_tracking.png, by_position.png, "
+        f"curves_TASK.png) in {out_dir}")
     return rows
+
+
+def write_outputs(out_dir: Path, settings: Settings, preset: str | None, sweeps: list[dict], rows: list[dict],
+                  chosen: dict) -> None:
+    """results.json, state_tracking.md (per task: the runs' table, and the sweep's) and the plots."""
+    summary = summarise(rows, settings.multiples)
+    write_json(out_dir / "results.json", {
+        "preset": preset, "settings": as_json(settings.__dict__),
+        "chosen_lr": [{"task": t, "model": s, "lr": lr} for (t, s), lr in chosen.items()],
+        "summary": summary, "runs": rows, "sweep_runs": sweeps,
+        "cpu_seconds": sum(r["cpu_seconds"] for r in rows + sweeps)})
+    parts = []
+    for task, specs in settings.models.items():
+        parts.append(f"### {task}\n\nSeeds {settings.seeds} at the chosen lr. Last position's accuracy at each test "
+                     f"length, mean [min, max]:\n\n" + results_table(summary, task, specs, settings.multiples))
+        if len(settings.lrs) > 1:
+            parts.append(f"The lr sweep (seed {settings.sweep_seed}): validation accuracy at the training length "
+                         f"(last position) and loss at the run's end:\n\n"
+                         + sweep_table(sweeps, task, specs, settings.lrs, chosen))
+    text = "\n".join(parts)
+    (out_dir / "state_tracking.md").write_text(text)
+    plot_lengths(summary, settings.models, settings.multiples, out_dir / "state_tracking.png")
+    plot_by_position(rows, settings.models, settings.length, out_dir / "by_position.png")
+    for task, specs in settings.models.items():
+        plot_curves(rows, task, specs, settings.solved_at, out_dir / f"curves_{task}.png")
+    print(text)
