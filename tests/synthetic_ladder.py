@@ -1,7 +1,7 @@
 """A ladder with no training: `synthetic(laws)` stands in for lm.compare.ladder.train_run and writes each run's result
 drawn from a known law, as `lm train` leaves it (config.yaml, logs/version_0/metrics.csv with val/loss and
-train/flops, its last checkpoint's file), so that `lm compare ladder` plans, sweeps, widens, picks, fits and reports
-on numbers whose truth is known.
+train/flops, its last checkpoint's file, its run record), so that `lm compare ladder` plans, sweeps, widens, picks,
+fits and reports on numbers whose truth is known.
 
 A law gives an architecture's final loss at compute C (the training FLOPs the ladder plans for the run), its best lr
 at a size, and its noise: loss = curve(C) x exp(CURVATURE x log(lr / best lr)^2) x exp(sigma x a normal draw fixed by
@@ -19,6 +19,7 @@ import yaml
 from lm.accounting.flops import param_count, train_flops_per_token
 from lm.compare.run_results import STEPS_DONE_MARK
 from lm.model import LMConfig
+from lm.training.run_record import launch_entry, record_launch
 
 CURVATURE = 0.02  # the loss's rise per (log lr - log best lr)^2, relative: 2% at 2.7x off the best lr
 
@@ -65,6 +66,7 @@ def synthetic(laws: dict[str, Law]):
         (run / "logs" / "version_0" / "metrics.csv").write_text(
             f"step,train/loss,val/loss,train/flops\n{steps},{loss},{loss},{compute}\n")
         (run / "checkpoints" / f"step={steps:08d}.ckpt").write_bytes(b"")
+        record_launch(run, launch_entry("cpu", [raw["data"]["path"]], None, 1))  # what lm train records
         return {"seconds": 0.0}
 
     return train_run

@@ -10,7 +10,10 @@ says so and bridges the gap by a stated rule, never by measuring it:
 - the counter's convolution backward ignores groups, overcounting the depthwise short convs' weight gradient by
   their channel count: it gets the forward's count per gradient here;
 - elementwise work is not counted by either, but 2 x params includes a mixer's few vector parameters (norm gains,
-  gate biases, decays), so mixers and models agree to ~1% rather than exactly (the ops and the MLP do exactly).
+  gate biases, decays), so mixers and models agree to ~1% rather than exactly (the ops and the MLP do exactly);
+- Mesa: accounting.flops charges CG's vector work (dot products and updates, which grow with the steps), which the
+  counter does not see, and not the true residual its telemetry measures after each solve (one more matvec), which the
+  counter does see: `mesa_unseen` bridges both by their counts.
 """
 
 import math
@@ -49,6 +52,14 @@ def conv_backward_flops(grad_out_shape, x_shape, w_shape, bias, stride, padding,
 
 
 CUSTOM = {aten.linalg_solve_triangular: solve_triangular_flops, aten.convolution_backward: conv_backward_flops}
+
+
+def mesa_unseen(tokens: float, K: int, C: int, steps: list[float], telemetry: bool) -> float:
+    """What accounting.flops charges a Mesa call and the counter does not see, less what the counter sees and it does
+    not charge: over `tokens` padded token-heads, CG's vector work of each solve at its steps (5K + 10K a step), less
+    the telemetry's matvec after each solve (4CK + 2K^2: a chunk's p k^T and its product with k, and the entering
+    state), when the call measures it (return_info)."""
+    return tokens * sum(op_flops.mesa_cg_vector_flops(K, n) - (4 * C * K + 2 * K * K) * telemetry for n in steps)
 
 
 def counted(fn) -> tuple[int, int]:
@@ -126,8 +137,9 @@ def op_case(name, B, T, H, K, V, C):
     call = lambda: ops.mesa(q, k, v, gamma.log(), beta, lam, cg_steps=steps, chunk_size=C, backend="torch",
                             return_info=True)[0]
     final_key_state = 0 if steps else B * T * H * 2 * K * K  # cg_steps=0 still carries H_T (no loss reads it)
-    return (call, tokens * op_flops.mesa_op_flops(C, K, V, steps) + final_key_state,
-            tokens * op_flops.mesa_op_train_flops(C, K, V, steps) + final_key_state)
+    unseen = (lambda solves: mesa_unseen(tokens, K, C, [steps] * solves, True)) if steps else lambda solves: 0.0
+    return (call, tokens * op_flops.mesa_op_flops(C, K, V, steps) + final_key_state - unseen(1),
+            tokens * op_flops.mesa_op_train_flops(C, K, V, steps) + final_key_state - unseen(2))
 
 
 OPS = ["linear_attention", "delta_rule", "gated_delta_rule", "mlstm", "mesa_cg0", "mesa_cg3", "kda", "delta_product",
@@ -211,8 +223,17 @@ def test_mixer_flops_match_the_counter(name, size):
     # 2 FLOPs per parameter counts the vector ones too (gates' biases, decays, norms: elementwise work the counter
     # does not see); at these toy widths they are up to 2% of a mixer (Hawk's), under 0.1% at the paper's.
     vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
-    assert_close(B * T * (matrices + op), counted_forward, tol=TOL + vectors)
-    assert_close(B * T * (3 * matrices + op_train), counted_train, tol=TOL + vectors)
+    unseen = [mesa_layer_unseen(cfg, name, B, T, solves) for solves in (1, 2)]
+    assert_close(B * T * (matrices + op) - unseen[0], counted_forward, tol=TOL + vectors)
+    assert_close(B * T * (3 * matrices + op_train) - unseen[1], counted_train, tol=TOL + vectors)
+
+
+def mesa_layer_unseen(cfg: LMConfig, name: str, B: int, T: int, solves: int) -> float:
+    """mesa_unseen of a Mesa layer of cfg at its CG steps (0 for any other mixer)."""
+    if name != "mesa":
+        return 0.0
+    chunk, steps = cfg.mixer_options["mesa"]["chunk_size"], cfg.mixer_options["mesa"]["cg_steps"]
+    return mesa_unseen(B * cfg.n_heads * math.ceil(T / chunk) * chunk, cfg.head_dim, chunk, [steps] * solves, True)
 
 
 @pytest.mark.parametrize("size", LAYER_SIZES, ids=lambda s: f"T{s[1]}d{s[2]}")
@@ -241,8 +262,9 @@ def test_model_flops_match_the_counter(name):
     model = LanguageModel(cfg)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     gap = sum(full_context(n, cfg, T) - flops.op_flops(n, cfg, T) for n in cfg.layer_mixers() if attention_like(n))
-    forward = flops.forward_flops_per_token(cfg, T) + gap
-    train = flops.train_flops_per_token(cfg, T) + 3 * gap
+    unseen = [sum(mesa_layer_unseen(cfg, n, B, T, solves) for n in cfg.layer_mixers()) for solves in (1, 2)]
+    forward = flops.forward_flops_per_token(cfg, T) + gap - unseen[0] / (B * T)
+    train = flops.train_flops_per_token(cfg, T) + 3 * gap - unseen[1] / (B * T)
     counted_forward, counted_train = counted(lambda: model(ids)[0])
     assert_close(B * T * forward, counted_forward)
     assert_close(B * T * train, counted_train)
@@ -280,8 +302,11 @@ def test_a_tolerance_stopped_mesa_counts_the_steps_it_ran():
     assert 0 < info["cg_iterations_run"] < 30 and 0 < info["cg_adjoint_iterations_run"] < 30
     assert info["cg_iterations_run"] > info["cg_iterations"] + 1  # the loop runs its slowest token's steps
     vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
-    assert_close(B * T * mixer.flops_spent_per_token(T, training=False), counted_forward, tol=TOL + vectors)
-    assert_close(B * T * mixer.flops_spent_per_token(T, training=True), counted_train, tol=TOL + vectors)
+    tokens, ran = B * h * math.ceil(T / CHUNK) * CHUNK, [info["cg_iterations_run"], info["cg_adjoint_iterations_run"]]
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=False) - mesa_unseen(tokens, hd, CHUNK, ran[:1], True),
+                 counted_forward, tol=TOL + vectors)
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=True) - mesa_unseen(tokens, hd, CHUNK, ran, True),
+                 counted_train, tol=TOL + vectors)
     at_most = mixer.flops_per_token(d, h, hd, T, True, **{**options, "cg_tol": None})
     assert mixer.flops_spent_per_token(T, training=True) < 0.8 * at_most
 
@@ -300,4 +325,42 @@ def test_the_adjoint_solve_is_charged_its_own_cg_steps():
     info = {key: float(value) for key, value in mixer.metrics().items()}
     assert 0 < info["cg_adjoint_iterations_run"] < info["cg_iterations_run"] - 2, info
     vectors = sum(p.numel() for p in mixer.parameters() if p.dim() <= 1) / sum(p.numel() for p in mixer.parameters())
-    assert_close(B * T * mixer.flops_spent_per_token(T, training=True), counter.get_total_flops(), tol=TOL + vectors)
+    tokens, ran = B * h * math.ceil(T / CHUNK) * CHUNK, [info["cg_iterations_run"], info["cg_adjoint_iterations_run"]]
+    assert_close(B * T * mixer.flops_spent_per_token(T, training=True) - mesa_unseen(tokens, hd, CHUNK, ran, True),
+                 counter.get_total_flops(), tol=TOL + vectors)
+
+
+def test_mesa_at_2_cg_steps_is_charged_its_math_and_not_its_telemetry():
+    """A hand count at a tiny size (B 1, T 8, one head, K = V = 2, chunks of 4, 2 CG steps), from the op's algorithm
+    (lm/ops/mesa.py), per padded token and head:
+    - the key state: each chunk's k^T k (2K^2) and diag(H_t) from the decay weights times k^2 (2CK);
+    - a matvec (H_t + Lambda) p: p k^T within the chunk and its product with k (4CK), the entering state (2K^2);
+    - a solve: the key state, 3 matvecs (the starting residual, then one a step), and CG's vector work: the Jacobi
+      start, the starting residual and its norm (5K), then per step two dot products and three updates (10K);
+    - the readout G_t x: a linear attention, 2C(K + V) within the chunk (scores, then scores @ v) and 4KV for the
+      chunk's write to the state and the entering state's read;
+    - the backward: the right-hand side G_t^T do (a linear attention like the readout), the adjoint solve, and the
+      surrogate: the readouts G x and H x each three times (forward and two gradients), less the query gradient of
+      q k^T that x's constancy skips (2CK each).
+    The op's count as spent equals it, with its telemetry on (return_info: a true residual after each solve, not
+    charged) or off; and with telemetry off, the counter sees the matrix products of exactly that count less the
+    vector work."""
+    from lm.ops.call import OpCall
+
+    B, T, H, K, V, C = 1, 8, 1, 2, 2, 4
+    key_state, matvec, readout = 2 * K * K + 2 * C * K, 4 * C * K + 2 * K * K, 2 * C * (K + V) + 4 * K * V
+    vector = 5 * K + 2 * 10 * K
+    solve = key_state + 3 * matvec + vector
+    forward = solve + readout
+    surrogate = 3 * (readout + 2 * C * (K + K) + 4 * K * K) - 2 * (2 * C * K)
+    train = forward + readout + solve + surrogate
+    q, k, v, gamma, beta = op_inputs(B, T, H, K, V, 2)
+    lam = torch.ones(H, K, requires_grad=True)
+    options = {"cg_steps": 2, "chunk_size": C, "backend": "torch"}
+    for telemetry in (True, False):
+        call = OpCall("mesa", (q, k, v, gamma.log(), beta, lam), {**options, "return_info": telemetry})
+        cost = op_flops.COSTS["mesa"]
+        assert cost.spent(call, {}, T, False) == pytest.approx(H * forward, rel=1e-12)  # per token (T = 2 chunks)
+        assert cost.spent(call, {}, T, True) == pytest.approx(H * train, rel=1e-12)
+    _, counted_train = counted(lambda: ops.mesa(q, k, v, gamma.log(), beta, lam, **options)[0])
+    assert counted_train == B * H * T * (train - 2 * vector)

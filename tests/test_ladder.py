@@ -42,7 +42,7 @@ def write_ladder(tmp: Path, data: str, **changes) -> Path:
         "strategy": {"accelerator": "cpu", "devices": 1}}))
     spec = {"archs": ["attention", "hawk"], "rungs": [1.0e5, 1.5e5, 2.2e5, 3.3e5], "base": "base.yaml",
             "tokens_per_param": 0.02, "lr": {"grid": GRID, "sweep_rungs": 2, "against": "params", "slope": -1.0},
-            "seeds": [0],
+            "seeds": [1],
             "probes": [["ppl", "--max_windows", "2"]], "bootstrap": 100, **changes}
     path = tmp / "ladder.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -87,15 +87,16 @@ def test_the_sweep_picks_the_best_grid_lr_and_the_rule_carries_it_up(finished, a
         (name, config), = [(n, c) for n, c in runs.items() if f"-{rung}-" in n]
         expected = float(f"{math.exp(log_c - math.log(param_count(LMConfig(**config['model'])))):.3g}")
         assert config["optim"]["lr"] == pytest.approx(expected, rel=1e-9), name
-    assert len(runs) == 6  # 2 swept rungs x 2 lrs, then the 2 larger rungs
+    assert len(runs) == 8  # 2 swept rungs x 2 lrs at the sweep's seed 0, then each rung at seed 1
 
 
 def test_the_fit_takes_each_runs_final_loss_and_compute(finished):
     fits = json.loads((finished / "report" / "fits.json").read_text())
     for arch in ("attention", "hawk"):
         points = fits["points"][arch]
-        assert len(points) == 4 and fits["fitted"][arch] == points  # one run per rung (the swept ones at their
-        # best lr), and at one tokens-per-parameter the L(C) fit takes them all
+        assert len(points) == 4 and fits["fitted"][arch] == points  # one run per rung (seed 1, the swept ones at
+        # their best lr), and at one tokens-per-parameter the L(C) fit takes them all
+        assert {p["seed"] for p in points} == {1}  # the sweep's runs (seed 0) are not seeds
         for point in points:
             run_dir = finished / "runs" / point["run"]
             config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -206,7 +207,7 @@ def test_planned_gpu_hours_follow_mfu_peak_and_the_memory_plan(kjv_data, tmp_pat
     from lm.compare.plan import load_base
 
     gpu = {"peak_flops": 1.0e5, "gpu_gib": 0.05, "mfu": {"attention": 0.4}, "default_mfu": 0.1}
-    path = write_ladder(tmp_path, kjv_data, archs=["attention", "hawk_mesa"], rungs=[1.0e5, 2.2e5], seeds=[0, 1],
+    path = write_ladder(tmp_path, kjv_data, archs=["attention", "hawk_mesa"], rungs=[1.0e5, 2.2e5], seeds=[1, 2],
                         lr={"grid": GRID, "sweep_rungs": 1, "slope": -1.0}, gpu=gpu)
     ladder(str(path), dry_run=True)
     out = capsys.readouterr().out
@@ -219,7 +220,7 @@ def test_planned_gpu_hours_follow_mfu_peak_and_the_memory_plan(kjv_data, tmp_pat
         for rung in rungs[arch]:
             row = rows[arch, rung.label]
             tokens_per_s = mfu * 1e5 / train_flops_per_token(LMConfig(**rung.model), SEQ_LEN)
-            runs = 2 + (1 if rung.label == "100k" else 0)  # 2 seeds, and the sweep's other lr at the swept rung
+            runs = 2 + (len(GRID) if rung.label == "100k" else 0)  # 2 seeds, and the sweep's lrs at the swept rung
             assert float(row[5].replace(",", "")) == pytest.approx(tokens_per_s, abs=0.5)
             assert float(row[6].replace(",", "")) == pytest.approx(rung.tokens / tokens_per_s / 3600, abs=0.05)
             assert row[7] == f"{runs} -> {runs * rung.tokens / tokens_per_s / 3600:,.0f} |"
@@ -264,13 +265,19 @@ BAD = {
                                          "archs; none for hawk"),
     "a chosen value and no choice": ({"archs": ["mesa@cg_steps=chosen"]}, "takes a value chosen by measurement"),
     "a choice no arch takes": ({"choose": {"arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30,
-                                           "rung": 1e5, "lr": 1e-2, "seeds": [0, 1]}}, "no architecture takes it"),
+                                           "rung": 1e5, "lr": 1e-2, "seeds": [0, 1], "tolerance": 0.02}},
+                               "no architecture takes it"),
     "a choice of an option the arch lacks": ({"archs": ["mesa@cg_steps=chosen"], "choose": {
         "arch": "mesa", "option": "cg_step", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2,
-        "seeds": [0, 1]}}, "choose: architecture 'mesa@cg_step=2': 'cg_step=2' is not OPTION=VALUE"),
+        "seeds": [0, 1], "tolerance": 0.02}}, "choose: architecture 'mesa@cg_step=2': 'cg_step=2' is not OPTION=VALUE"),
     "a choice from one seed": ({"archs": ["mesa@cg_steps=chosen"], "choose": {
-        "arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2}},
-        "choose.seeds must list at least 2"),
+        "arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2,
+        "tolerance": 0.02}}, "choose.seeds must list at least 2"),
+    "a choice without its tolerance": ({"archs": ["mesa@cg_steps=chosen"], "choose": {
+        "arch": "mesa", "option": "cg_steps", "values": [2, 30], "reference": 30, "rung": 1e5, "lr": 1e-2,
+        "seeds": [0, 1]}}, "choose needs tolerance"),
+    "the sweep's seed among the seeds": ({"seeds": [0, 1]}, "seeds include the sweep's seed 0"),
+    "a data seed that is no number": ({"data_seed": "first"}, "sweep_seed and data_seed must be whole numbers"),
     "a run that reads the corpus twice": ({"tokens_per_param": 20}, "epochs of the corpus's"),
 }
 
@@ -341,9 +348,11 @@ def test_an_iso_flop_ladder_trains_every_size_at_every_budget(kjv_data, tmp_path
     path = write_ladder(tmp_path, kjv_data, archs=["attention"], rungs=[1.0e5, 1.5e5, 2.2e5], budgets=[1.5e9, 3.0e9],
                         lr={"grid": [3.0e-3], "sweep_rungs": 1, "slope": 0.0}, probes=[])
     ladder(str(path), out=str(tmp_path / "out"), workers=1)
-    runs = runs_of(tmp_path / "out", "attention")
-    assert len(runs) == 6
-    for name, config in runs.items():
+    trained = runs_of(tmp_path / "out", "attention")
+    runs = {name: config for name, config in trained.items() if name.endswith("-seed1")}
+    assert len(runs) == 6  # every size at every budget, at the ladder's seed; and the grid's one run at seed 0
+    assert sorted(set(trained) - set(runs)) == ["attention-100k-C1.500e9-lr0.003-seed0"]
+    for name, config in trained.items():
         budget = float(name.split("-C")[1].split("-lr")[0])
         per_token = train_flops_per_token(LMConfig(**config["model"]), SEQ_LEN)
         steps = config["trainer"]["max_steps"]
@@ -378,3 +387,25 @@ def test_a_run_that_diverges_ends_as_diverged_with_an_infinite_loss(kjv_data, tm
     train_run(str(config))
     assert "were not finite" in (tmp_path / "run" / DIVERGED).read_text()
     assert final_loss(tmp_path / "run") == math.inf
+
+
+def test_a_stage_in_worker_processes_says_where_each_run_stands(tmp_path, monkeypatch, capsys):
+    """Every few seconds while a stage trains in workers: the runs ended, and each started run's newest step with its
+    eta, read from its log; a run with no log yet is not named."""
+    import time
+
+    from lm.compare import ladder_progress
+
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "c", "d")}
+    logs["a"].write_text("lm train: 1 processes x ...\nstep 10/100 | loss 3.2 | tokens/s 5 | elapsed 0:00:10 | eta "
+                         "0:01:30\nstep 20/100 | loss 3.0 | tokens/s 5 | elapsed 0:00:20 | eta 0:01:20\n")
+    logs["b"].write_text("lm train: 1 processes x ...\n")
+    logs["d"].write_text("step 100/100 | val loss 2.9 | val ppl 18.2\n")
+    ended = lambda name: name == "d"  # noqa: E731
+    expected = ("lm compare ladder: rungs: 1 of 4 runs ended; a at step 20/100 (eta 0:01:20); b starting")
+    assert ladder_progress.line("rungs", logs, ended) == expected
+    assert ladder_progress.line("rungs", {"c": logs["c"]}, ended) is None  # nothing to say yet
+    monkeypatch.setattr(ladder_progress, "EVERY", 0.05)
+    with ladder_progress.StageProgress("rungs", logs, ended):
+        time.sleep(0.3)
+    assert expected in capsys.readouterr().err.splitlines()

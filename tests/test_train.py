@@ -113,6 +113,43 @@ def test_resume_gives_identical_losses_and_weights(straight, kjv_data, tmp_path)
     assert all(after[s] == reference[s] for s in after)
 
 
+def final_val_loss(run_dir: Path) -> float:
+    newest = max(run_dir.glob("logs/version_*"), key=lambda p: int(p.name.split("_")[1]))
+    with open(newest / "metrics.csv") as f:
+        return float([r for r in csv.DictReader(f) if r.get("val/loss")][-1]["val/loss"])
+
+
+def test_a_rerun_and_a_resumed_run_agree_bit_for_bit_and_record_what_made_them(straight, kjv_data, tmp_path):
+    """The straight run trained again from nothing, and again stopped after step 4 and resumed: the same final
+    validation loss and weights, bit for bit. Each run's record names the commit of this checkout (and whether lm/
+    differs from it), torch, the threads and the data's manifest checksum; the resumed run's, two launches, the second
+    from step 4."""
+    import hashlib
+
+    from lm.training.run_record import read_record
+
+    again, resumed = tmp_path / "again", tmp_path / "resumed"
+    run(config_file(tmp_path, kjv_data, again))
+    config = config_file(tmp_path, kjv_data, resumed)
+    run(config)
+    (resumed / "checkpoints" / "step=00000008.ckpt").unlink()  # as if stopped after step 4
+    run(config)
+    for other in (again, resumed):
+        assert final_val_loss(other) == final_val_loss(straight)
+        assert_same_weights(straight / "checkpoints/step=00000008.ckpt", other / "checkpoints/step=00000008.ckpt")
+    root = Path(__file__).resolve().parents[1]
+    git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True).stdout  # noqa
+    record = read_record(straight)
+    assert record["code"]["commit"] == git("rev-parse", "HEAD").strip()
+    assert record["code"]["dirty"] == bool(git("status", "--porcelain", "--", "lm").strip())
+    assert record["software"]["torch"] == torch.__version__
+    assert record["machine"]["torch_threads"] == torch.get_num_threads()
+    manifest = hashlib.sha256((Path(kjv_data) / "manifest.json").read_bytes()).hexdigest()
+    assert [d["manifest_sha256"] for d in record["data"]] == [manifest]
+    launches = read_record(resumed)["launches"]
+    assert [launch["step"] for launch in launches] == [0, 4] and read_record(resumed)["mixed"] == []
+
+
 def test_rerun_in_the_same_directory_continues(straight, kjv_data, tmp_path, capsys):
     run_dir = tmp_path / "twice"
     config = config_file(tmp_path, kjv_data, run_dir)

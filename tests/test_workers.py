@@ -200,7 +200,8 @@ def test_a_stopped_ladder_stops_its_workers_runs_and_its_rerun_continues_them(kj
 
     assert main([*command[:-1], "1"]) == 0  # the rerun, here with one worker
     err = capsys.readouterr().err
-    assert "lr-sweep:" not in err and "rungs: 2 of 3 runs to train (local)" in err, err[-3000:]
+    # the sweep's run (seed 0) ended; the rungs' three (seed 1) are the two stopped and the one not started
+    assert "lr-sweep:" not in err and "rungs: 3 of 3 runs to train (local)" in err, err[-3000:]
     for run in runs:
         steps = yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_steps"]
         assert f"lm train: resuming from {stopped_at[run]}" in err

@@ -528,8 +528,9 @@ def write_report(spec, rules: dict, runs: list, out: Path, loss_of, dir_of, seq_
                   markdown_table(["pair", "at (FLOPs)", "extrapolated", "reading"], verdicts["beyond"])]
     lines += ["## Fits judged by prediction", "",
               f"L(C) = E + A C^-alpha per architecture (C: training FLOPs as spent), fitted to its rung means (log "
-              f"mean loss, each rung weighted by its seeds' variance) by scipy's least_squares with E >= 0 and a "
-              f"Huber loss; converged: the optimiser stopped on its tolerances. [{pct} intervals] from "
+              f"mean loss, each rung weighted by its standard error from the seeds' variance pooled over the rungs) "
+              f"by scipy's least_squares with E >= 0 and a Huber loss; converged: the optimiser stopped on its "
+              f"tolerances. [{pct} intervals] from "
               f"{spec.bootstrap} replicates that resample the seeds within each rung and add each rung's residual "
               f"with a random sign (the law's misfit). Held-out errors: the law fitted without a rung, its prediction "
               f"there minus the rung's mean loss; the largest rung's, and the root mean square over every rung left "

@@ -10,8 +10,8 @@ where the runs are best fitted by a pure power law the fit reaches E = 0 and say
 towards minus infinity and stopping wherever its iterations end.
 
 What is fitted is each rung's mean (a rung: the runs at one point, its seeds): log of the mean final loss, each rung
-weighted by the variance of that log mean over its seeds (a rung of one seed takes the relative variance pooled over
-the rungs with more; with no seeds to pool, equal weights). So the fit and a held-out error are single numbers: with
+weighted by the variance of that log mean: the seeds' relative variance pooled over all rungs, over the rung's seed
+count (with no seeds to pool, equal weights). So the fit and a held-out error are single numbers: with
 the runs themselves, any curve that passes between a rung's two seeds fits as well as another under a robust loss.
 The optimiser is scipy's `least_squares` (trust-region reflective, with bounds; E set to 0 where the law without
 it fits as well) on the standardised residuals, with a Huber loss at HUBER_SCALE standard
@@ -148,10 +148,10 @@ def rungs_of(values, losses, groups=None, variables: tuple[str, ...] = ("C",)) -
     dof = sum(d for d, _ in relative)
     errors = None
     if dof and sum(d * v for d, v in relative) > 0:
+        # One relative variance for all rungs (seed noise on log loss barely moves with size): a rung's own 2-3 seeds
+        # give a variance with 1-2 degrees of freedom, and weighting by that under-covered (docs/ladder.md).
         pooled = sum(d * v for d, v in relative) / dof
-        spread = [losses[m].var(ddof=1) / losses[m].mean() ** 2 if len(m) > 1 else pooled for m in members]
-        floor = min(v for v in spread if v > 0)  # a rung of identical seeds is weighted as the most precise other
-        errors = np.sqrt([max(v, floor) / len(m) for v, m in zip(spread, members)])
+        errors = np.sqrt([pooled / len(m) for m in members])
     return Rungs(points, np.log(means), errors, deviations, order)
 
 
