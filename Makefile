@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install lint clean gpu-wheels gpu-triton wheel-check
+.PHONY: demo test check test-all install lint clean gpu-wheels gpu-triton wheel-check
 
 # The benchmark peers (lm bench peers) go in without their dependencies: litgpt pins jsonargparse and huggingface_hub.
 # DeepSpeed compiles an op of its own (its shared-memory all-reduce) the first time its process group starts on a
@@ -29,6 +29,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check lm tests data_prep eval hatch_build.py
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadfile --no-loadscope-reorder
+
+# The inner loop: ruff and the tests that start no process (ops, mixers, configs, verdicts, reports) but the longest,
+# each failed if it starts one all the same (tests/inner_loop.py says which; tests/conftest.py leaves the rest out).
+check: $(STAMP)
+	$(BIN)/ruff check lm tests data_prep eval hatch_build.py
+	$(BIN)/python -m pytest -q -m "not slow" --inner-loop -n 2 --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q

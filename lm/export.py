@@ -7,6 +7,7 @@ must hold an export of the same checkpoint in the same format, else `--overwrite
 
 import json
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
@@ -113,5 +114,5 @@ def export(checkpoint: str, out: str, format: Literal["lm", "hf"] = "lm", overwr
         written = save_hf(state_dict, config, out, tokenizer, weights_metadata(source))
     else:
         written = save_pretrained(state_dict, config, out, tokenizer, weights_metadata(source))
-    print(f"exported {path} -> {written} ({format} format)")
+    print(f"exported {path} -> {written} ({format} format)", file=sys.stderr)  # where it wrote; stdout stays empty
     return str(written)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def past_max_seq_len(cfg: "LMConfig", length: int, reaching: str) -> str | None:
     """One line when `length` tokens at once are past the max_seq_len of a model of `cfg` (None within it):
     `reaching` says what reaches them ("windows of"). A warning, never a refusal (the module's docstring)."""
-    from lm.model import mixer_counts  # the model is loaded by then; `lm generate --help` need not import it
+    from lm.model_config import mixer_counts  # `lm generate --help` need not import it
 
     if length <= cfg.max_seq_len:
         return None

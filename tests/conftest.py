@@ -1,5 +1,6 @@
 """Shared fixtures: a prepared copy of the bundled corpus (small vocabulary), offline settings, and Triton's
-interpreter on a machine without CUDA; the order in which pytest-xdist's workers take the test files."""
+interpreter on a machine without CUDA; the order in which pytest-xdist's workers take the test files; the `launches`
+and `long` markers and `make check`'s --inner-loop (tests/inner_loop.py)."""
 
 import json
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from filelock import FileLock
+from inner_loop import Guard, launches, long
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,10 +61,67 @@ def recorded_durations() -> dict[str, float]:
         return {}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     known = recorded_durations()
     # stable: pytest's order within a file
     items.sort(key=lambda item: -known.get(item.path.name, float("inf")))
+    for item in items:
+        test = getattr(item, "originalname", item.name)
+        if launches(item.path, test):
+            item.add_marker(pytest.mark.launches)
+        elif long(item.path, test):
+            item.add_marker(pytest.mark.long)
+    if config.getoption("inner_loop"):
+        left_out = [item for item in items if item.get_closest_marker("launches") or item.get_closest_marker("long")]
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+
+
+# `make check` (--inner-loop): the tests that start no process but the longest, each under a guard that refuses a
+# process it starts all the same and fails it (tests/inner_loop.py). Armed from a test's setup, where its fixtures
+# are made, to its teardown.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--inner-loop", action="store_true",
+                     help="make check: the tests that start no process but the longest (tests/inner_loop.py), each "
+                     "failed if it starts one")
+
+
+_guard: list[Guard] = []  # one per process, under --inner-loop
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "launches: starts processes (tests/inner_loop.py); left out by --inner-loop "
+                            "(make check)")
+    config.addinivalue_line("markers", "long: one of the longest tests that start no process (tests/inner_loop.py); "
+                            "left out by --inner-loop (make check)")
+    if config.getoption("inner_loop"):
+        _guard.append(Guard())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    for guard in _guard:
+        guard.arm()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield
+    for guard in _guard:
+        if guard.started:  # refused, and the refusal perhaps caught by the code that tried
+            pytest.fail(f"this test started {len(guard.started)} process(es) ({', '.join(guard.started[:3])}), which "
+                        "make check refused: name it in THROUGH_LM in tests/inner_loop.py", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    try:
+        return (yield)
+    finally:
+        for guard in _guard:
+            guard.disarm()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -74,7 +133,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    whole_files = not config.option.keyword and not any("::" in arg for arg in config.args)
+    whole_files = not config.option.keyword and not any("::" in arg for arg in config.args) \
+        and not config.getoption("inner_loop")  # make check leaves out some tests of a file
     if hasattr(config, "workerinput") or not _spent or not whole_files or session.shouldstop or session.shouldfail:
         return  # a worker, nothing ran, part of a file ran, or the run stopped early (its times would be short)
     merged = {**recorded_durations(), **{name: round(seconds, 1) for name, seconds in _spent.items()}}

@@ -182,6 +182,8 @@ CASES = {
     "research-test-time-missing-run": (["research", "test-time", "--runs", "[nowhere]", "--out", "tt"], "nowhere"),
     "research-test-time-negative-steps": (["research", "test-time", "--runs", "[nowhere]", "--steps", "[-1]",
                                            "--out", "tt"], "steps"),
+    "research-ladder-reread-missing-report": (["research", "ladder-reread", "--fits", "nowhere/fits.json"],
+                                              "nowhere/fits.json not found"),
     "research-ab-zero-repeats": (["research", "ab", "--rev", "HEAD", "--repeats", "0"], "repeats"),
     "research-ab-unknown-mixer": (["research", "ab", "--rev", "HEAD", "--mixers", "[nope]"], "nope"),
     # lm slurm submit (dry runs) and status
@@ -230,6 +232,9 @@ CASES = {
     "demo-negative-sample-tokens": (["demo", "--run_dir", "demo", "--sample_tokens", "-1"], "sample_tokens"),
     "demo-zero-steps": (["demo", "--run_dir", "demo", "--max_steps", "0"], "max_steps"),
     "demo-run-dir-is-a-file": (["demo", "--run_dir", "file.txt"], "file.txt"),
+    # lm mixers
+    "mixers-unknown-mixer": (["mixers", "kdaa"], "unknown mixer 'kdaa' (did you mean 'kda'?)"),
+    "mixers-unknown-key": (["mixers", "kda", "--markdwn", "true"], "unknown config key 'markdwn'"),
 }
 
 def tree_state(root: Path) -> dict[str, tuple]:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import yaml
@@ -37,9 +38,16 @@ def test_bench_train_figures_are_consistent(tmp_path, capsys):
         assert math.isclose(r["mfu"], r["model_flops_per_s"] / result["matmul_flops_per_s"])
         assert math.isclose(r["mfu_datasheet"], r["model_flops_per_s"] / 1e12)
     assert json.loads(out.read_text()) == result
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert json_part(printed) == result
     assert "| MFU (measured peak) | MFU (datasheet) |" in printed and printed.count("| attention d64 |") == 2
+    # While it ran, stderr named each run as it started and counted its steps (3 a run: 1 warm-up, 2 timed).
+    said = [line.strip() for line in captured.err.replace("\r", "\n").splitlines() if line.strip()]
+    started = [m[1] for line in said if (m := re.match(r"lm bench train: (.+, seq_len \d+):", line))]
+    assert list(dict.fromkeys(started)) == ["attention d64, seq_len 32", "attention d64, seq_len 17",
+                                            "mamba2 d64, seq_len 32", "mamba2 d64, seq_len 17"], said
+    assert " 12/12 " in said[-1] and said[-1].startswith("lm bench train: mamba2 d64, seq_len 17:"), said
 
 
 def test_bench_train_from_run_configs_with_batch_tokens_and_budget(tmp_path):

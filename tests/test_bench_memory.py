@@ -1,6 +1,7 @@
 """lm.bench.memory: the measurement sees known allocations exactly, and the table's figures agree with each other."""
 
 import math
+import re
 
 import torch
 
@@ -26,7 +27,7 @@ def test_tracked_peak_is_the_most_bytes_alive_at_once():
     assert before.numel() and kept
 
 
-def test_bench_memory_rows(tmp_path):
+def test_bench_memory_rows(tmp_path, capsys):
     result = bench_memory(mixers=["attention", "gated_deltanet"], lengths=[64, 2048], d_model=32, n_layers=1,
                           n_heads=2, head_dim=16, vocab_size=256, json_out=str(tmp_path / "memory.json"))
     rows = result["rows"]
@@ -40,3 +41,8 @@ def test_bench_memory_rows(tmp_path):
         assert long["length_ratio"] == 32 and 0 < short["peak_mib"] < long["peak_mib"]
         assert math.isclose(long["growth_vs_shortest"], long["peak_mib"] / short["peak_mib"])
         assert 0.8 * 32 < long["growth_vs_shortest"] < 1.1 * 32, long
+    # While it ran, stderr named each mixer as its runs started, and counted them (lm.bench.progress).
+    said = [line.strip() for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.strip()]
+    named = [m[1] for line in said if (m := re.match(r"lm bench memory: (\w+):", line))]
+    assert list(dict.fromkeys(named)) == ["attention", "gated_deltanet"], said
+    assert " 2/2 " in said[-1], said

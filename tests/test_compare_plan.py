@@ -73,6 +73,21 @@ def test_the_paper_sizes_come_out_of_the_ladder():
         assert LMConfig(**result["archs"][0]["model"]) == paper
 
 
+def test_without_a_base_the_plan_is_the_papers_recipe_as_its_help_says():
+    """`lm compare plan --help` names the batch a plan without --base trains at; the plan trains at it, and it is the
+    paper's (configs/attention/1b.yaml): a 1B model at 256 sequences of 2048 a step, not lm train's one micro-batch."""
+    import re
+
+    from lm.util.commands import function_parser
+
+    text = " ".join(function_parser(plan, "lm compare plan").format_help().split())
+    (stated,) = re.findall(r"without --base, the paper's (\d+)\)", text)
+    paper = parse_run_config(["--config", str(ROOT / "configs" / "attention" / "1b.yaml")])[0]
+    (row,) = plan(archs="attention", params=param_count(paper.model), dry_run=True)["archs"]
+    assert int(stated) == paper.data.global_batch == 256
+    assert row["steps"] == round(row["tokens"] / (256 * 2048)) < 50_000  # ~20 tokens/parameter in ~40k steps
+
+
 def test_params_alone_gives_every_arch_20_tokens_per_parameter():
     result = plan(archs="attention,mesa", params=3e6, vocab_size=4096, seq_len=256, dry_run=True)
     for row in result["archs"]:

@@ -132,8 +132,9 @@ def test_deepspeeds_log_goes_to_stderr_in_any_process():
 
 
 def test_a_commands_stdout_is_its_result_alone(hybrid_run, tmp_path, capfd):
-    """`lm eval ppl`'s stdout is its JSON, `lm export`'s its one line, `lm generate`'s the text (fds 1 and 2 captured,
-    libraries' writes included); a fresh process's DeepSpeed notice: the test above."""
+    """`lm eval ppl`'s stdout is its JSON, `lm generate`'s the text, and `lm export` writes files, so its stdout is
+    empty and its one line saying where is on stderr (fds 1 and 2 captured, libraries' writes included); a fresh
+    process's DeepSpeed notice: the test above."""
     from lm.cli import main
     from lm.generate import generate_text
 
@@ -143,7 +144,8 @@ def test_a_commands_stdout_is_its_result_alone(hybrid_run, tmp_path, capfd):
     result = json.loads(capfd.readouterr().out)
     assert math.isclose(result["ppl"], math.exp(result["loss"]), rel_tol=1e-6)
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    assert capfd.readouterr().out.splitlines() == [f"exported {checkpoint} -> {tmp_path / 'hf'} (hf format)"]
+    written = capfd.readouterr()
+    assert written.out == "" and f"exported {checkpoint} -> {tmp_path / 'hf'} (hf format)" in written.err.splitlines()
     prompt = ["--prompt", "In the", "--max_new_tokens", "4", "--temperature", "0"]
     assert main(["generate", "--checkpoint", str(run), *prompt]) == 0
     assert capfd.readouterr().out == generate_text(str(run), "In the", max_new_tokens=4, temperature=0) + "\n"
@@ -156,3 +158,32 @@ def test_a_runs_files_take_the_users_umask(hybrid_run):
     modes = {path.relative_to(run).as_posix(): oct(path.stat().st_mode & 0o777) for path in run.rglob("*")}
     assert {"config.yaml", "tokenizer.json", "checkpoints"} <= set(modes) and len(modes) > 5
     assert modes == {name: oct((0o777 if (run / name).is_dir() else 0o666) & ~UMASK) for name in modes}
+
+
+def test_a_resume_says_so_once_and_lightnings_banners_stay_off(kjv_data, tmp_path):
+    """A real resume (of a finished run, from its last checkpoint): `lm train` says which checkpoint it continues, and
+    Lightning's "Checkpoint directory ... exists and is not empty", "Restoring states from the checkpoint path ..."
+    and "Restored all states ..." do not show, in its log records or warnings."""
+    from strategy_runs import train_here
+    from test_train import config_file
+
+    run = tmp_path / "run"
+    config = config_file(tmp_path, kjv_data, run, max_steps=2, ckpt_every=2, val_every=2)
+    assert train_here(config, run).returncode == 0
+    records = Records()
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch.utilities.rank_zero",
+                                                    "lightning.fabric.utilities.rank_zero")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = train_here(config, run)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"lm train: resuming from {run / 'checkpoints' / 'step=00000002.ckpt'}" in resumed.stderr.splitlines()
+    said = [*records.messages, *(str(w.message) for w in caught), *resumed.stderr.splitlines()]
+    banners = ("exists and is not empty", "Restoring states from", "Restored all states")
+    assert not [line for line in said if any(banner in line for banner in banners)], said

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from strategy_runs import free_port
+from torch.utils.checkpoint import checkpoint
 
 from lm.mixers import MIXERS
 from lm.mixers.context_parallel import join_context_group, layout
+from lm.mixers.protocol import _planned_call
 from lm.model import LanguageModel, LMConfig
 
 T, SEPARATOR = 24, 1  # pieces of 12 (2 ranks) and 6 (4 ranks)
@@ -180,6 +182,24 @@ def test_context_parallel_equals_one_process(errors, world, name):
     assert len(worst) > 3, "no parameter gradient was compared"
     too_far = {key: value for key, value in worst.items() if not value <= 1e-10}
     assert not too_far, f"{name} on {world} ranks differs from one process: {too_far}"
+
+
+def test_an_op_call_planned_first_inside_a_recomputed_block_leaves_its_recomputation_alike():
+    """A worker that ran attention, gla and "mesa,swa recomputed" failed with a CheckpointError: the exchange asks a
+    mixer its op's name, a call planned on the meta device and cached (lm.mixers.protocol), inside a block that
+    activation checkpointing runs again. Planned first there, it saved tensors for a backward that the recomputation,
+    which found it cached, did not save: in every process where no earlier run had planned it. Here in one process,
+    the name asked first inside a recomputed block."""
+    _planned_call.cache_clear()
+    mixer = MIXERS["mesa"](16, 2, 8, 0, **options("mesa")).double()
+    x = torch.randn(1, 6, 16, dtype=torch.float64, requires_grad=True)
+
+    def block(x):
+        mixer.op_name()
+        return mixer(x)[0]
+
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert x.grad is not None
 
 
 def test_context_groups_are_consecutive_ranks():

@@ -13,7 +13,8 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from lm.data_prep import BUNDLED_CORPUS, load_manifest, open_split, prepare
-from lm.data_prep.shards import DTYPES, TAIL, WHOLE, is_validation, sha256_file, token_dtype, write_splits
+from lm.data_prep.holdout import BY_TOKENS, Holdout, draw, write_splits
+from lm.data_prep.shards import DTYPES, sha256_file, token_dtype
 from lm.data_prep.sources import decode, iter_documents
 from lm.data_prep.tokenizer import separator
 from lm.util.errors import UserError
@@ -46,8 +47,10 @@ def split_documents(out: Path, manifest: dict, split: str) -> list[str]:
     """Decode each document of a split (the tokens after each separator)."""
     tokens, sep = split_tokens(out, manifest, split), manifest["tokenizer"]["sep_id"]
     tok = Tokenizer.from_file(str(out / manifest["tokenizer"]["file"]))
+    if not len(tokens):
+        return []
     starts = np.flatnonzero(tokens == sep)
-    assert len(tokens) == 0 or starts[0] == 0, "a split must start with the separator"
+    assert starts[0] == 0, "a split must start with the separator"
     ends = [*starts[1:], len(tokens)]
     return [tok.decode(tokens[s + 1:e].tolist(), skip_special_tokens=False) for s, e in zip(starts, ends, strict=True)]
 
@@ -112,18 +115,24 @@ def test_bundled_corpus(kjv):
             path = out / shard["name"]
             assert shard["sha256"] == sha256_file(path)
             assert path.stat().st_size == shard["tokens"] * 2
-    assert manifest["splits"]["validation"]["documents"] >= 1
-    assert sum(e["documents"] for e in manifest["splits"].values()) == 1189
+    validation, cut = manifest["splits"]["validation"], manifest["splits"]["validation"]["cut"]
+    assert validation["held_out"] == BY_TOKENS and validation["documents"] >= 1
+    assert sum(e["documents"] for e in manifest["splits"].values()) == 1189 + cut
 
-    # lossless and disjoint: train + validation is exactly the corpus, each chapter once
+    # lossless and disjoint: train + validation is exactly the corpus, each chapter once (one perhaps cut in two)
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         chapters = [json.loads(line)["text"] for line in f]
     train, val = split_documents(out, manifest, "train"), split_documents(out, manifest, "validation")
+    if cut:
+        (tail,) = [v for v in val if v not in chapters]
+        val.remove(tail)
+        train[-1] += tail  # the cut document's head ends training
     assert Counter(train + val) == Counter(chapters)
     assert not set(train) & set(val)
-    # many documents: validation is exactly the chapters the seeded draw picks, as before tails existed
-    assert val == [c for i, c in enumerate(chapters) if is_validation(i, 0, 0.01)]
-    assert manifest["splits"]["validation"]["held_out"] == WHOLE
+    # many documents: 1% of the tokens (more than the floor of 64 windows of 256), within a chapter of it
+    tokens = validation["tokens"] + manifest["splits"]["train"]["tokens"]
+    assert int(0.01 * tokens) <= validation["tokens"] < int(0.01 * tokens) + max(map(len, chapters))
+    assert validation["windows"] == (validation["tokens"] - 1) // 256 > 64
 
 
 def test_reader_memmaps_are_read_only(kjv):
@@ -236,6 +245,25 @@ def test_older_version_of_the_same_inputs_is_rebuilt_without_overwrite(tmp_path,
     new = run([a], out)
     assert new["fingerprint"] != old["fingerprint"]
     assert "rebuilding" in capsys.readouterr().err
+
+
+def test_data_an_older_prepare_wrote_still_loads(tmp_path, capsys):
+    """A manifest from before validation by tokens (whole documents, none of the window fields) reads and trains as
+    it is: the readers and the summary of a reuse need none of the new fields."""
+    from lm.training.data import TokenStream
+
+    a, out = write_jsonl(tmp_path / "a.jsonl", sample_texts(8)), tmp_path / "out"
+    manifest = run([a], out)
+    validation = manifest["splits"]["validation"]
+    for key in ("seq_len", "windows", "min_windows", "cut"):
+        del validation[key]
+    validation["held_out"] = "whole documents"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert load_manifest(out) == manifest
+    assert TokenStream(str(out), "train").total == manifest["splits"]["train"]["tokens"]
+    capsys.readouterr()
+    assert run([a], out) == manifest  # the same settings: reused, and summarised in one line
+    assert capsys.readouterr().err.startswith(f"reusing {out}: train: ")
 
 
 def test_corrupt_shard_is_rebuilt_on_rerun(tmp_path):
@@ -361,50 +389,95 @@ def test_small_shards_concatenate_to_the_single_shard(tmp_path):
     assert load_manifest(tmp_path / "many") == many
 
 
+def documents_of(lengths: list[int]) -> list[np.ndarray]:
+    """[sep, *tokens] arrays of these lengths (uint32), whose tokens number the corpus's content 1, 2, 3, ..."""
+    firsts = np.cumsum([1] + [n - 1 for n in lengths])
+    return [np.array([0, *range(first, first + n - 1)], np.uint32) for n, first in zip(lengths, firsts)]
+
+
+def rejoined(train: np.ndarray, validation: np.ndarray) -> list[int]:
+    """The corpus's tokens, in order, from the two splits: each split's documents, a cut one's head and tail joined."""
+    documents = []
+    for split in (train, validation):
+        starts = [*np.flatnonzero(split == 0), len(split)]
+        documents += [split[a + 1:b].tolist() for a, b in zip(starts, starts[1:])]
+    return sorted(token for doc in documents for token in doc)
+
+
 def test_split_rules(tmp_path):
-    assert is_validation(7, 0, 0.5) == is_validation(7, 0, 0.5)
-    flips = [is_validation(i, 0, 0.3) for i in range(2000)]
-    assert 0.25 < sum(flips) / len(flips) < 0.35
-    docs = [np.array([0, 5, 6], np.uint16), np.array([0, 7], np.uint16)]
-    splits = write_splits(docs, tmp_path, "uint16", 100, seed=0, val_fraction=1e-9)
-    assert (splits["train"]["documents"], splits["validation"]["documents"]) == (1, 1)  # the last one is held out
-    splits = write_splits(docs[:1], tmp_path, "uint16", 100, seed=0, val_fraction=0.999999)
-    assert (splits["train"]["documents"], splits["validation"]["shards"]) == (1, [])  # one short document: train
+    assert draw(7, 0) == draw(7, 0) != draw(7, 1)
+    assert 0.45 < np.mean([draw(i, 0) for i in range(2000)]) < 0.55
+    one = documents_of([20])  # the first document always trains: validation can only be cut from its end
+    splits = write_splits(one, tmp_path, "uint32", 100, seed=0, holdout=Holdout(0.5, seq_len=256))
+    assert (splits["train"]["tokens"], splits["validation"]["shards"]) == (20, [])  # 10 tokens: less than a window
+    splits = write_splits(one, tmp_path, "uint32", 100, seed=0, holdout=Holdout(0.5, seq_len=4))
+    assert (splits["train"]["tokens"], splits["validation"]["tokens"]) == (11, 10)  # 2 windows of 4 + 1
+    splits = write_splits(documents_of([3]), tmp_path, "uint32", 100, seed=0, holdout=Holdout(0.999999, seq_len=1))
+    assert (splits["train"]["tokens"], splits["validation"]["tokens"]) == (2, 2)  # the head keeps a token
 
 
-def test_too_few_documents_give_validation_the_tail_of_the_last(tmp_path):
-    """Drawn by nobody, long documents: validation is val_fraction of the tokens, the last document's tail."""
-    docs = [np.array([0, *range(1 + 1000 * i, 1000 * (i + 1))], np.uint16) for i in range(3)]
-    assert not any(is_validation(i, 0, 0.01) for i in range(3))  # the draw holds none out
-    splits = write_splits(docs, tmp_path, "uint16", 10_000, seed=0, val_fraction=0.01)
+def test_validation_is_its_fraction_of_the_tokens_drawn_over_the_corpus(tmp_path):
+    """Without a floor: 10% of the tokens, within a document of it, from documents all over the corpus; the seed
+    chooses which; nothing lost, nothing twice."""
+    lengths = [int(n) for n in np.random.default_rng(0).integers(20, 400, 300)]
+    holdout = Holdout(0.1, seq_len=16, min_windows=0)
+    splits = write_splits(documents_of(lengths), tmp_path, "uint32", 10_000, seed=0, holdout=holdout)
     train, val = split_tokens_of(tmp_path, splits, "train"), split_tokens_of(tmp_path, splits, "validation")
-    assert splits["validation"]["held_out"] == TAIL
-    assert list(val) == [0, *docs[2][-30:]]  # 1% of the corpus's 3000 tokens
-    assert list(train) == [*docs[0], *docs[1], *docs[2][:-30]]  # everything else, nothing twice
-    assert write_splits(docs, tmp_path, "uint16", 10_000, seed=0, val_fraction=0.01) == splits  # deterministic
-    splits = write_splits(docs[:1], tmp_path, "uint16", 10_000, seed=0, val_fraction=0.05)
-    assert (splits["train"]["tokens"], splits["validation"]["tokens"]) == (950, 51)  # one document: its tail
+    assert int(0.1 * sum(lengths)) <= len(val) <= int(0.1 * sum(lengths)) + max(lengths)
+    assert rejoined(train, val) == list(range(1, sum(lengths) - len(lengths) + 1))  # every content token once
+    first_half = sum(lengths[:150]) - 150
+    assert 0.3 < np.mean(val[val != 0] <= first_half) < 0.7  # spread over the corpus, not its end
+    again = write_splits(documents_of(lengths), tmp_path, "uint32", 10_000, seed=0, holdout=holdout)
+    assert again == splits  # deterministic
+    other = write_splits(documents_of(lengths), tmp_path, "uint32", 10_000, seed=1, holdout=holdout)
+    assert other["validation"]["shards"][0]["sha256"] != splits["validation"]["shards"][0]["sha256"]
+
+
+def test_validation_holds_at_least_64_windows_taken_from_the_end(tmp_path):
+    """1% of 100 documents is 2 windows of 64 tokens; the floor brings validation to 64 windows exactly, with the
+    corpus's last documents, the first of them cut in two."""
+    lengths = [300] * 100
+    splits = write_splits(documents_of(lengths), tmp_path, "uint32", 10_000, seed=0,
+                          holdout=Holdout(0.01, seq_len=64, min_windows=64))
+    train, val = split_tokens_of(tmp_path, splits, "train"), split_tokens_of(tmp_path, splits, "validation")
+    assert len(val) == 64 * 64 + 1 and splits["validation"]["windows"] == 64 and splits["validation"]["cut"]
+    assert rejoined(train, val) == list(range(1, 299 * 100 + 1))
+    assert val[-299:].tolist() == list(range(299 * 99 + 1, 299 * 100 + 1))  # the last document, whole
+
+
+def test_the_floor_takes_at_most_a_quarter_of_a_small_corpus(tmp_path):
+    """10 documents of 50 tokens: a quarter holds 7 windows of 16 tokens (+1), not 64; a corpus whose quarter holds
+    no window keeps validation at its fraction."""
+    splits = write_splits(documents_of([50] * 10), tmp_path, "uint32", 10_000, seed=0,
+                          holdout=Holdout(0.01, seq_len=16, min_windows=64))
+    assert (splits["validation"]["tokens"], splits["validation"]["windows"]) == (7 * 16 + 1, 7)
+    assert splits["train"]["tokens"] == 500 - 7 * 16 - 1 + 1  # the cut document's tail brought its own separator
+    splits = write_splits(documents_of([50]), tmp_path, "uint32", 10_000, seed=0,
+                          holdout=Holdout(0.01, seq_len=16, min_windows=64))
+    assert splits["validation"]["tokens"] == 0 and splits["train"]["tokens"] == 50
 
 
 def split_tokens_of(directory: Path, splits: dict, split: str) -> np.ndarray:
     """A split's tokens straight from write_splits' entries (no manifest yet)."""
-    return np.concatenate([np.fromfile(directory / s["name"], np.uint16) for s in splits[split]["shards"]])
+    shards = splits[split]["shards"]
+    return np.concatenate([np.fromfile(directory / s["name"], np.uint32) for s in shards]) if shards else \
+        np.empty(0, np.uint32)
 
 
 def test_one_book_holds_validation_out_of_its_tail(tmp_path, capsys):
     text = write_book(tmp_path / "book.txt")
     out = tmp_path / "out"
-    manifest = run([tmp_path / "book.txt"], out, val_fraction=0.05)
-    assert json.loads((out / "manifest.json").read_text())["splits"]["validation"]["held_out"] == TAIL
+    manifest = run([tmp_path / "book.txt"], out, val_fraction=0.05, seq_len=32)
+    validation = json.loads((out / "manifest.json").read_text())["splits"]["validation"]
     train, val = split_tokens(out, manifest, "train"), split_tokens(out, manifest, "validation")
-    assert manifest["splits"]["validation"]["documents"] == 1 and len(val) > 100
+    assert validation["documents"] == 1 and validation["cut"]
     # disjoint and lossless: the head in train and the tail in validation are the book's tokens, each once
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     book = tok.encode(text, add_special_tokens=False).ids
     assert train[0] == val[0] == 0 and [*train[1:], *val[1:]] == book
-    assert len(val) - 1 == int(0.05 * (len(book) + 1))
-    assert "validation: " + f"{len(val):,} tokens (5% of tokens) from the tail of the last document (too few " \
-           "documents to hold a whole one out)" in capsys.readouterr().err
+    assert len(val) == 64 * 32 + 1 > 0.05 * (len(book) + 1)  # the floor: 64 windows of 32
+    assert f"validation: 1 documents, {len(val):,} tokens ({100 * len(val) / (len(book) + 2):.2g}% of the tokens), " \
+           "64 windows of --seq_len 32, one of its documents the tail of a training document" in capsys.readouterr().err
 
 
 def test_signature_works_with_jsonargparse():

@@ -28,7 +28,8 @@ def test_demo_runs_end_to_end_and_beats_the_unigram_bar(tmp_path, capfd, one_thr
     for name, path in places.items():
         (line,) = [line for line in out.splitlines() if line.strip().startswith(name + "  ")]
         assert line.split()[len(name.split())] == str(path) and path.exists(), (name, line)
-    assert (run / "sample.txt").read_text().strip() == out.split("sample:\n")[1].split("\n")[0].strip()
+    printed = out.split("sample:\n")[1].split("\n\n")[0].splitlines()  # the indented block, every line of it
+    assert (run / "sample.txt").read_text().splitlines() == [line.removeprefix("  ") for line in printed]
     # Nothing but lm's own lines: no evaluation JSON, no banners, tips or known deprecations, on either stream.
     assert not [line for line in out.splitlines() if line.lstrip().startswith("{")], out
     assert not [noise for noise in NOISE if noise in out + captured.err], captured.err
@@ -40,5 +41,7 @@ def test_demo_ends_by_pointing_to_the_comparison(capsys):
     summary = {"mixer": "attention", "steps": 1, "tokens": 8, "val_ppl": 2.0, "unigram_ppl": 3.0, "tokens_per_s": None,
                "wall_s": 1.0, "run_dir": "r", "data": "r/data", "checkpoint": "c.ckpt", "eval": "r/eval/e",
                "sample": "r/sample.txt"}
-    print_summary(summary, "And God said")
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("next: `lm compare demo`")
+    print_summary(summary, "And God said\nunto Moses")
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("next: `lm compare demo`")
+    assert "sample:\n  And God said\n  unto Moses\n\n" in out  # a sample's every line is indented, as one block

@@ -7,6 +7,7 @@ through LM_FAULTS (enospc@step:N), which fails a write once part of the file is 
 rank alone (@rank:R) for DDP's file (rank 0 writes it while rank 1 waits) and for DeepSpeed's shards (rank 1's fails,
 rank 0's succeeds: rank 0 must not wait for rank 1 in DeepSpeed's own barrier)."""
 
+import contextlib
 import errno
 import os
 import shutil
@@ -60,10 +61,20 @@ def assert_resumes_to(run_dir: Path, config: Path, flags: list[str], uninterrupt
     assert all(ours[k].equal(theirs[k]) for k in theirs)
 
 
+def open_here(folder: Path) -> list[str]:
+    """The files under folder that this process holds open."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own, closed by now
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [path for path in held if path.startswith(f"{folder}/")]
+
+
 def test_an_injected_full_disk_ends_in_one_line_and_resumes(strategy_runs, tmp_path):
     run = tmp_path / "run"
     result = train(strategy_runs["config"], run, ONE_PROCESS, LM_FAULTS="enospc@step:4")
     assert_ends_in_one_line(result, run)
+    assert open_here(run) == []  # a caller in Python goes on: the run left nothing open (its lock file was)
     assert_resumes_to(run, strategy_runs["config"], ONE_PROCESS, strategy_runs["single"])
 
 
@@ -98,9 +109,8 @@ def test_a_real_full_disk_ends_in_one_line_and_resumes(name, strategy_runs, tmp_
             pytest.fail("CI runs as root and must mount a tmpfs")
         pytest.skip("mounting a tmpfs needs root")
     try:
-        # A launch of its own, even for one process: the disk is unmounted after it, which a file this process still
-        # held open there would refuse.
-        result = train(strategy_runs["config"], disk / "run", list(flags))
+        # One process in this one: the disk is unmounted after it, which a file the run left open would refuse.
+        result = train(strategy_runs["config"], disk / "run", flags)
         assert_ends_in_one_line(result, disk / "run")
         shutil.copytree(disk / "run", tmp_path / "run")  # the run moved to a disk with room
     finally:

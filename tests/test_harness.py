@@ -281,8 +281,9 @@ def test_lm_eval_harness_command_writes_results_into_the_run(trained_run, fixtur
     assert main(["eval", "harness", "--checkpoint", str(trained_run), "--tasks",
                  "[lm_fixture_choice, lm_fixture_rolling]", "--include_path", str(fixture_tasks),
                  "--batch_size", "2"]) == 0
-    printed = capsys.readouterr().out
+    printed, said = capsys.readouterr()
     out = trained_run / "eval" / "harness-tasks"
+    assert f"lm eval harness: wrote results.json and results.md in {out}\n" in said  # where, on stderr
     table = (out / "results.md").read_text()
     assert "| lm_fixture_choice | acc_norm |" in table and "| lm_fixture_rolling | word_perplexity |" in table
     assert table in printed

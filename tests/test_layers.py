@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     ("lm", "lm.util"),
     ("lm.ops",),
-    ("lm.mixers",),
-    ("lm.model",),
+    ("lm.mixers", "lm.mixer_catalogue"),
+    ("lm.model", "lm.model_config"),
     ("lm.accounting",),
     ("lm.data_prep",),
     ("lm.training",),
@@ -29,7 +29,9 @@ LAYERS = [
     ("lm.research",),
     ("lm.cli", "lm.startup"),
 ]
-TOP_LEVEL = {"__init__", "model", "export", "generate", "startup"}  # the modules that stand alone at lm/'s top
+# the modules that stand alone at lm/'s top; the model's config and the mixers' catalogue are apart from the model and
+# the mixers because those import torch, and a config is checked without it
+TOP_LEVEL = {"__init__", "model", "model_config", "mixer_catalogue", "export", "generate", "startup"}
 
 
 def module_name(path: Path) -> str:
@@ -81,7 +83,8 @@ def test_every_module_has_a_layer():
 
 
 def test_the_top_level_holds_only_what_stands_alone():
-    """Loose files at lm/'s top level are the backbone, export, generation and the start-up hook; the command line is
+    """Loose files at lm/'s top level are the backbone and its config, the mixers' catalogue, export, generation and the
+    start-up hook; the command line is
     lm.cli, the shared helpers lm.util, context parallelism lm.mixers.context_parallel."""
     assert {path.stem for path in (ROOT / "lm").glob("*.py")} == TOP_LEVEL
 
@@ -154,3 +157,26 @@ def test_reading_a_checkpoint_does_not_load_lightning(module):
     loaded = imported_on_load(module)
     assert "lm.training.checkpoint" in loaded  # each reads checkpoints through it
     assert not {"lightning", "pytorch_lightning"} & loaded, sorted(m for m in loaded if m.startswith("lm"))
+
+
+@pytest.mark.parametrize("module", ["lm.cli", "lm.cli.train", "lm.training.preflight"])
+def test_lm_train_checks_a_launch_before_it_loads_lightning(module):
+    """`lm train` parses its config and runs every check of the launch (lm.training.preflight) before it imports
+    Lightning, DeepSpeed or transformers (lm.training.train, imported inside the command once the checks have
+    passed), so that a mistake ends in one line within a second or two rather than after their import."""
+    loaded = imported_on_load(module)
+    assert module != "lm.cli.train" or "lm.training.config" in loaded
+    assert not {"lightning", "pytorch_lightning", "deepspeed", "transformers"} & loaded, \
+        sorted(m for m in loaded if m.startswith("lm"))
+
+
+@pytest.mark.parametrize("module", ["lm.cli", "lm.cli.train", "lm.training.config"])
+def test_lm_train_parses_and_checks_its_config_before_it_loads_torch(module):
+    """The run config (lm.training.config: the model's, lm.model_config, with the mixers' names and options read from
+    their sources by lm.mixer_catalogue; the data's, the strategy's) is parsed and checked without torch, whose import
+    costs a process seconds: `lm train` imports lm.training.preflight, and with it torch, once the config has passed,
+    so that a mistake in it ends in one line before (docs/training.md has the times)."""
+    loaded = imported_on_load(module)
+    assert module == "lm.cli" or {"lm.model_config", "lm.mixer_catalogue", "lm.training.data_config"} <= loaded
+    assert not {"torch", "numpy", "lm.mixers", "lm.model", "lm.training.preflight"} & loaded, \
+        sorted(m for m in loaded if m.startswith("lm"))

@@ -66,7 +66,7 @@ def test_bad_probe_settings_are_user_errors(tokenizer):
         make_example("single", tokenizer, 64, 0.5, 0)
 
 
-def test_longctx_writes_the_grid_and_heatmaps(kjv_data, tmp_path):
+def test_longctx_writes_the_grid_and_heatmaps(kjv_data, tmp_path, capsys):
     torch.manual_seed(0)
     config = LMConfig(vocab_size=512, d_model=32, n_layers=2, n_heads=2, head_dim=16, max_seq_len=64,
                       mixer="gated_deltanet")
@@ -75,6 +75,8 @@ def test_longctx_writes_the_grid_and_heatmaps(kjv_data, tmp_path):
     rows = longctx(str(tmp_path / "model"), probes=["single", "vt"], lengths=[400, 600], depths=[0.0, 1.0],
                    samples=2, max_new_tokens=4, out=str(tmp_path / "out"))
     assert len(rows) == 2 * 2 * 2 and all(0 <= r["accuracy"] <= 1 for r in rows)
+    assert f"lm eval longctx: wrote grid.csv, each probe's grid PNG and outputs in {tmp_path / 'out'}" in \
+        capsys.readouterr().err  # where, on stderr
     with open(tmp_path / "out" / "grid.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["probe"], r["length"], r["depth"]) for r in table][:2] == [("single", "400", "0.0"),

@@ -115,3 +115,18 @@ def test_a_pattern_is_refused_where_the_depth_would_cut_it_unless_the_config_cyc
     assert len(LanguageModel(cut).blocks) == 6
     single = LMConfig(vocab_size=10, d_model=16, n_layers=3, n_heads=1, head_dim=16, mixer="mamba2")
     assert single.layer_summary() == "3 layers: mamba2 x3"
+
+
+def test_a_depth_longer_than_the_pattern_that_it_does_not_divide_is_refused_too():
+    """The other side of the check above: past one whole pattern, a depth that is no multiple of it cuts the last
+    repetition (a 2:1 pattern over 4 layers: three Gated DeltaNet layers for one attention); refused unless the config
+    cycles it. Whole multiples pass, and cycle_pattern lets any depth through, shorter than the pattern too."""
+    pattern = ["gated_deltanet", "gated_deltanet", "attention"]
+    shape = dict(vocab_size=10, d_model=16, n_heads=1, head_dim=16, layer_pattern=",".join(pattern))
+    for n_layers in (4, 5, 7, 8):
+        with pytest.raises(UserError, match=f"has 3 layers .* which do not tile model.n_layers {n_layers}:"):
+            LMConfig(n_layers=n_layers, **shape)
+    for n_layers in (3, 6, 9):
+        assert LMConfig(n_layers=n_layers, **shape).layer_mixers() == pattern * (n_layers // 3)
+    for n_layers in (2, 4, 5):
+        assert len(LMConfig(n_layers=n_layers, cycle_pattern=True, **shape).layer_mixers()) == n_layers

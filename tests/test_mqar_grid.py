@@ -147,7 +147,8 @@ def test_a_cell_that_can_learn_beats_chance(one_thread):
     assert row["final_loss"] < 0.5 * math.log(32), row  # 1.73
 
 
-def test_resume_runs_only_the_missing_cells_and_refuses_another_grids(tmp_path, monkeypatch, quick_grid, one_thread):
+def test_resume_runs_only_the_missing_cells_and_refuses_another_grids(tmp_path, monkeypatch, quick_grid, one_thread,
+                                                                      capsys):
     out = tmp_path / "grid"
     grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1, cell=1)
     assert [p.name for p in (out / "cells").glob("*.json")] == [f"{ONE[0]}_d16_n6_lr0.003_s0.json"]
@@ -157,6 +158,7 @@ def test_resume_runs_only_the_missing_cells_and_refuses_another_grids(tmp_path, 
     resumed = grid.mqar_grid(out=str(out), mixers=ONE, quick=True, processes=1)
     assert ran == [f"{ONE[0]}_d16_n2_lr0.003_s0"]
     assert len(read_csv(out / "grid.csv")) == 2
+    assert f"cells done; wrote grid.csv, grid.md and accuracy_vs_state.png in {out}\n" in capsys.readouterr().err
     # The same cells run in one go (the quick grid's, each in a process of one thread; these in this one, on one
     # thread) give the same rows: a resumed grid is the grid.
     same = ("name", "accuracy", "final_loss", "params", "state_floats", "state_grows")

@@ -1,5 +1,6 @@
 """Progress of `lm train` (lm.training.callbacks.progress), from real runs in a subprocess: with stdout not a terminal,
-a plain line every log_every optimizer steps, each on its way as soon as it is printed, and one after each validation;
+a plain line at each launch's first optimizer step and then every log_every optimizer steps, each on its way as soon
+as it is printed, and one after each validation;
 on a terminal, a bar that counts steps (not Lightning's "Epoch 0/-2") and shows the validation loss. The step numbers
 are metrics.csv's, and Lightning's banners and known deprecations stay off the console (lm.training.console)."""
 
@@ -33,26 +34,29 @@ def train_command(tmp_path: Path, kjv_data: str) -> list[str]:
     return [sys.executable, "-m", "lm.cli", "train", "--config", str(config)]
 
 
-def test_without_a_terminal_a_line_every_log_every_steps_printed_as_it_happens(kjv_data, tmp_path):
+def test_without_a_terminal_a_line_at_the_first_step_and_every_log_every_steps_printed_as_it_happens(kjv_data,
+                                                                                                     tmp_path):
     cmd = train_command(tmp_path, kjv_data)
     # Block-buffered, as a batch job's stdout is unless PYTHONUNBUFFERED says otherwise (this test's machine sets it).
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "OMP_NUM_THREADS": "1"}
-    # SIGKILL after step 12: nothing buffered survives it, so the lines of steps 5 and 10 were written when printed.
+    # SIGKILL after step 12: nothing buffered survives it, so the lines of steps 1, 5 and 10 were written when printed.
+    # Step 1's says the run is moving before log_every steps have passed.
     killed = subprocess.run(cmd, env={**env, "LM_FAULTS": "kill@step:12"}, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert [int(m[1]) for m in LINE.finditer(killed.stdout)] == [5, 10], killed.stdout
+    assert [int(m[1]) for m in LINE.finditer(killed.stdout)] == [1, 5, 10], killed.stdout
     assert [int(m[1]) for m in VAL_LINE.finditer(killed.stdout)] == [10], killed.stdout  # validated every 10 steps
-    # The rerun resumes at step 10 and goes on from there, to the end: a whole run's output has no bar either.
+    # The rerun resumes at step 10 and goes on from there (its first step, 11, has a line), to the end: a whole run's
+    # output has no bar either.
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [LINE.fullmatch(line) or VAL_LINE.fullmatch(line) for line in done.stdout.splitlines()]
-    assert [line and (line.re is VAL_LINE, int(line[1])) for line in lines] == [(False, 15), (False, 20), (True, 20)], \
-        done.stdout  # stdout holds these lines alone
+    assert [line and (line.re is VAL_LINE, int(line[1])) for line in lines] == \
+        [(False, 11), (False, 15), (False, 20), (True, 20)], done.stdout  # stdout holds these lines alone
     # The losses are the ones metrics.csv has for those steps: the CSV counts steps as the lines do.
     logged = last_launch_losses(tmp_path / "run")
-    assert [float(line[2]) for line in lines[:2]] == [round(logged[15], 4), round(logged[20], 4)]
+    assert [float(line[2]) for line in lines[1:3]] == [round(logged[15], 4), round(logged[20], 4)]
     (val,) = [float(r["val/loss"]) for r in newest_metrics(tmp_path / "run") if r["val/loss"]]
-    assert (float(lines[2][2]), float(lines[2][3])) == (round(val, 4), round(math.exp(val), 2))
+    assert (float(lines[3][2]), float(lines[3][3])) == (round(val, 4), round(math.exp(val), 2))
     assert int(newest_metrics(tmp_path / "run")[-1]["step"]) == 20  # the last row: the last step, as step=20.ckpt
     assert (tmp_path / "run" / "checkpoints" / "step=00000020.ckpt").is_file()
     assert "Epoch" not in done.stdout + done.stderr

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,18 @@ def recipe(readme: Path = ROOT / "README.md") -> str:
     blocks = re.findall(r"^```bash\n(.*?)^```$", readme.read_text(), re.MULTILINE | re.DOTALL)
     (block,) = [b for b in blocks if b.startswith(MARKER + "\n")]
     return block
+
+
+def recipe_defaults(script: str) -> dict[str, str]:
+    """The settings of the recipe's first lines, NAME=${NAME:-default}, at their defaults."""
+    return dict(re.findall(r"^(\w+)=\$\{\w+:-([^}]*)\}", script, re.MULTILINE))
+
+
+def recipe_command(script: str, command: str) -> list[str]:
+    """The recipe's `lm COMMAND ...` line with its settings at their defaults, as the words after `lm`."""
+    (line,) = [line for line in script.splitlines() if line.startswith(f"lm {command} ")]
+    defaults = recipe_defaults(script)
+    return shlex.split(re.sub(r"\$(\w+)", lambda m: defaults[m.group(1)], line))[1:]
 
 
 def write_texts(folder: Path, documents: int = 100) -> None:
@@ -52,3 +65,20 @@ def test_the_own_text_recipe_runs_as_written(tmp_path):
     assert math.isfinite(ppl) and ppl < 4096  # better than a uniform guess after 10 steps
     sample = done.stdout.rstrip().splitlines()[-1]  # lm generate
     assert sample.startswith("The") and len(sample) > len("The"), sample
+
+
+def test_the_recipes_prepare_holds_out_at_least_64_windows_of_its_length(tmp_path, monkeypatch, capsys):
+    """The recipe's `lm prepare` line as written, through the command line in this process, on 100 documents of
+    about 1,000 tokens: 1% of them would be 3 windows of SEQ + 1; validation holds 64, as lm train cuts them."""
+    from lm.cli import main
+    from lm.training.data import TokenStream, count_windows
+
+    script = recipe()
+    seq_len = int(recipe_defaults(script)["SEQ"])
+    write_texts(tmp_path / "my_texts")
+    monkeypatch.chdir(tmp_path)
+    assert main(recipe_command(script, "prepare")) == 0
+    validation = TokenStream(str(tmp_path / "runs" / "mine" / "data"), "validation")
+    assert count_windows(validation.total, seq_len) >= 64
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepared ")]
+    assert len(said) == 1 and f"windows of --seq_len {seq_len}" in said[0]

@@ -178,6 +178,7 @@ def test_the_rest_of_the_readmes_resume_matrix(runs, resumed, tmp_path, capsys, 
             torch.testing.assert_close(reference[k], continuation[k], rtol=0, atol=1e-6)
     # Were a refused one let through, fitting would start a second process from this one: it fails the test instead.
     monkeypatch.setattr("lightning.pytorch.Trainer.fit", lambda *_, **__: pytest.fail("a refused resume was taken"))
+    capsys.readouterr()  # the exports' lines above ("exported ... -> ...", on stderr)
     for name, (source, flags, message) in REFUSED.items():
         run_dir = shutil.copytree(runs[source], tmp_path / name.replace(" ", "-"))
         assert main(["train", "--config", str(runs["config"]), "--run_dir", str(run_dir), *flags]) == 2, name

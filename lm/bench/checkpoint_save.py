@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.util.errors import UserError
 
@@ -105,7 +106,7 @@ def bench_checkpoint_save(d_model: int = 512, n_layers: int = 8, vocab: int = 32
     if not shm.is_dir() or shm.stat().st_dev == Path(tempfile.gettempdir()).stat().st_dev:
         raise UserError("lm bench checkpoint-save needs /dev/shm on a filesystem of its own, for the temp directory")
     rows = []
-    for writer in WRITERS:
+    for writer in each_run(WRITERS, "lm bench checkpoint-save"):
         with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm) as other_tmp:
             code = (f"import json; from lm.bench.checkpoint_save import save_once; "
                     f"print(json.dumps(save_once({writer!r}, {tmp + '/run'!r}, {d_model}, {n_layers}, {vocab})))")

@@ -19,6 +19,7 @@ import time
 import torch
 import torch._dynamo
 
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.bench.timing import best_interleaved
 from lm.bench.train_speed import device_name, packed_windows, sync
@@ -108,7 +109,7 @@ def bench_compile(mixers: list[str] | None = None, d_model: int = 256, n_layers:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a cold compile, not one served from an earlier run's cache
         try:
-            for mixer in mixers:
+            for mixer in each_run(mixers, "lm bench compile"):
                 torch.manual_seed(0)
                 cfg = LMConfig(mixer=mixer, d_model=d_model, n_layers=n_layers, n_heads=max(1, d_model // head_dim),
                                head_dim=head_dim, vocab_size=vocab_size, max_seq_len=seq_len)

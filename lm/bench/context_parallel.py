@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lm.bench.memory import allocated_peak_mib
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
 from lm.mixers import MIXERS
@@ -101,7 +102,7 @@ def bench_context(mixers: list[str] = ["attention", "gated_deltanet", "mesa", "h
     for n in pieces:
         check_layout(n, T, what="--pieces", window="--T")
     rows = []
-    for mixer in mixers:
+    for mixer in each_run(mixers, "lm bench context"):
         shape = dict(mixer=mixer, d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
                      vocab_size=vocab_size, max_seq_len=T)
         LMConfig(**shape)  # a bad shape is one line before any process starts

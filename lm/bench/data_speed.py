@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from lm.bench.progress import Parts
 from lm.bench.results import print_and_save
 from lm.bench.timing import best_interleaved
 from lm.bench.train_speed import device_name, time_training
@@ -82,18 +83,24 @@ def bench_data(data: str | None = None, seq_len: int = 256, micro_batch: int = 8
             or num_workers < 0:
         raise UserError("seq_len, micro_batch, batches, train_steps, batch_docs, repeats, prepare_batch_docs and "
                         "prepare_workers must be >= 1, num_workers >= 0")
+    manifest = load_manifest(data) if data is not None else None  # bad data ends here, before any progress shows
+    parts = Parts("lm bench data", 6 if data else 7)  # its progress on stderr (lm.bench.progress)
     with tempfile.TemporaryDirectory() as tmp:
         prepare_s = None
         if data is None:
+            parts.start("preparing the bundled corpus")
             data = str(Path(tmp) / "bundled")
             t0 = time.perf_counter()
             prepare(out=data, vocab_size=4096, progress=False)  # the bundled corpus, BPE trained here
             prepare_s = time.perf_counter() - t0
-        manifest = load_manifest(data)
+            manifest = load_manifest(data)
+        parts.start("data loader")
         loader = loader_tokens_per_s(data, seq_len, micro_batch, num_workers, batches)
+        parts.start("data loader over a mixture")
         mixture_loader = loader_tokens_per_s(data, seq_len, micro_batch, num_workers, batches, mixture=True)
         cfg = LMConfig(vocab_size=manifest["tokenizer"]["vocab_size"], d_model=d_model, n_layers=n_layers,
                        n_heads=n_heads, head_dim=head_dim, max_seq_len=seq_len)
+        parts.start("training steps")
         train = time_training(cfg, torch.device("cpu"), seq_len, micro_batch, train_steps, 1, False)["tokens_per_s"]
 
         tok = load_tokenizer(str(Path(data) / "tokenizer.json"))
@@ -105,16 +112,20 @@ def bench_data(data: str | None = None, seq_len: int = 256, micro_batch: int = 8
         docs = list(iter_documents(sources))
         texts = [text for text, _ in docs]
         n_tokens = sum(len(e.ids) for e in tok.encode_batch_fast(texts, add_special_tokens=False))
+        parts.start("tokenizing")
         seconds = best_interleaved({
             "encode_batch": lambda: tok.encode_batch(texts, add_special_tokens=False),
             "data_prep": lambda: list(tokenized(((t, n, None) for t, n in docs), tok, Path(data) / "tokenizer.json",
                                                 sep_id, manifest["dtype"], batch_docs, 1)),
         }, repeats, torch.device("cpu"))
+        parts.start("lm prepare")
         t0 = time.perf_counter()
         prepare(sources, out=str(Path(tmp) / "again"), tokenizer=str(Path(data) / "tokenizer.json"), progress=False)
         whole_prepare = n_tokens / (time.perf_counter() - t0)
+        parts.start("lm prepare --workers")
         workers = time_workers(sources, str(Path(data) / "tokenizer.json"), Path(tmp), prepare_workers,
                                prepare_batch_docs, repeats, n_tokens)
+    parts.close()
 
     result = {
         "device": device_name(torch.device("cpu")), "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lm.bench.progress import each_run
 from lm.bench.train_speed import device_name
 from lm.mixers import MIXERS
 from lm.model import LanguageModel, LMConfig
@@ -69,7 +70,7 @@ def bench_hf_generate(mixers: list[str] | None = None, prompt: int = 64, tokens:
         raise UserError(f"mixers must be among {', '.join(sorted(MIXERS))} (unknown: {unknown}); prompt, tokens and "
                         "repeats must be >= 1")
     rows = []
-    for mixer in mixers:
+    for mixer in each_run(mixers, "lm bench hf-generate"):
         cfg = LMConfig(mixer=mixer, d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
                        vocab_size=vocab_size, max_seq_len=prompt + tokens)
         rows.append({"mixer": mixer, **measure(cfg, prompt, tokens, repeats)})

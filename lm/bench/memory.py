@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
 from lm.mixers import MIXERS
@@ -115,7 +116,7 @@ def bench_memory(mixers: list[str] | None = None,
     shape = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim, vocab_size=vocab_size,
                  max_seq_len=max(lengths))
     rows = []
-    for mixer in mixers:
+    for mixer in each_run(mixers, "lm bench memory"):
         cfg = LMConfig(mixer=mixer, **shape)
         for loss in losses:
             for T in lengths:

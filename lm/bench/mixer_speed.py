@@ -17,6 +17,7 @@ import time
 import torch
 
 from lm.bench.memory import allocated_peak_mib
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.bench.train_speed import device_name
 from lm.mixers import MIXERS
@@ -156,7 +157,7 @@ def bench_mixers(mixers: list[str] | None = None, lengths: list[int] = [512, 204
         for label, variant in (VARIANTS.get(mixer, {}).items() if variants else ()):
             runs.append((mixer, f"{mixer} ({label})", {**(options or {}), **variant}, False))
     rows, row_mixers, measured = [], [], []  # measured: (row, mixer) of the rows whose peak memory to measure
-    for mixer, label, row_options, default in runs:
+    for mixer, label, row_options, default in each_run(runs, "lm bench mixer", lambda run: run[1]):
         for T in lengths:
             call, proj = op_call(mixer, T, **shape, **row_options)
             chunkwise, recurrent = op_fns(call)

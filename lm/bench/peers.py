@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from lm.accounting.flops import train_flops_per_token
 from lm.bench.mesa_peer import bench_mesa, print_mesa_table
 from lm.bench.mixer_speed import forward_backward, op_inputs
+from lm.bench.progress import each_run
 from lm.bench.results import print_and_save
 from lm.bench.timing import best_interleaved
 from lm.bench.train_speed import device_name
@@ -244,16 +245,17 @@ def bench_peers(d_model: int = 512, n_layers: int = 4, n_heads: int = 8, head_di
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {"device": device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if "litgpt" in peers:
-        result["litgpt"] = importlib.metadata.version("litgpt")
-        result["gpt"] = bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch, steps,
-                                  warmup, repeats, device)
-    if "mlstm_kernels" in peers:
-        result["mlstm_kernels"] = importlib.metadata.version("mlstm_kernels")
-        result["mlstm_op"] = bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device)
-    if "fla" in peers:
-        result["mesa_op"] = bench_mesa(mesa_lengths, mesa_heads, mesa_head_dim, mesa_batch, cg_steps, repeats, device,
-                                       mesa_backend)
+    for peer in each_run([p for p in PEERS if p in peers], "lm bench peers"):
+        if peer == "litgpt":
+            result["litgpt"] = importlib.metadata.version("litgpt")
+            result["gpt"] = bench_gpt(GPT, Config, d_model, n_layers, n_heads, head_dim, vocab_size, seq_len, batch,
+                                      steps, warmup, repeats, device)
+        elif peer == "mlstm_kernels":
+            result["mlstm_kernels"] = importlib.metadata.version("mlstm_kernels")
+            result["mlstm_op"] = bench_mlstm(native, mlstm_lengths, d_model, n_heads, mlstm_batch, repeats, device)
+        else:
+            result["mesa_op"] = bench_mesa(mesa_lengths, mesa_heads, mesa_head_dim, mesa_batch, cg_steps, repeats,
+                                           device, mesa_backend)
 
     print_and_save(result, json_out)
     if "litgpt" in peers:

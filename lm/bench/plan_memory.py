@@ -15,6 +15,7 @@ import yaml
 
 from lm.accounting.memory import STRATEGIES, micro_batch_fits, plan_memory
 from lm.bench.memory import tracked_peak_bytes
+from lm.bench.progress import each_run
 from lm.mixers import MIXERS
 from lm.mixers.context_parallel import check_layout
 from lm.model import LanguageModel, LMConfig
@@ -53,7 +54,8 @@ def train_steps(model: LanguageModel, windows: torch.Tensor, steps: int):
 
 def check_against_cpu(mixers: list[str]) -> list[dict]:
     rows = []
-    for d, layers, vocab, T, b in CHECK_SIZES:
+    sizes = each_run(CHECK_SIZES, "lm bench plan-memory --check", lambda size: f"d_model {size[0]}, {size[1]} layers")
+    for d, layers, vocab, T, b in sizes:
         for mixer in mixers:
             cfg = LMConfig(mixer=mixer, d_model=d, n_layers=layers, n_heads=d // 64, head_dim=64, vocab_size=vocab,
                            max_seq_len=T)

@@ -19,6 +19,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from lm.bench.progress import each_run
+
 VOCAB = 4096  # rows of the benchmark's embedding: the data's vocabulary must fit
 STRATEGIES = {"ddp": ["--strategy.name", "ddp"],
               "zero2": ["--strategy.name", "deepspeed", "--strategy.zero_stage", "2"],
@@ -64,7 +66,8 @@ def run_one(argv: list[str]) -> None:
     from lm.training.config import parse_run_config
     from lm.training.data_module import TokenDataModule
     from lm.training.module import LMModule
-    from lm.training.train import batch_plan, build_trainer
+    from lm.training.preflight import batch_plan
+    from lm.training.train import build_trainer
 
     out, argv = Path(argv[0]), argv[1:]
     config, _, _ = parse_run_config(argv)
@@ -96,7 +99,7 @@ def bench_strategy_memory(data: str, d_model: int = 512, n_layers: int = 4, out:
     if out is not None and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
         raise UserError(f"--out {out}: not a file in an existing folder")
     rows = []
-    for name, flags in STRATEGIES.items():
+    for name, flags in each_run(STRATEGIES.items(), "lm bench strategies", lambda strategy: strategy[0]):
         with tempfile.TemporaryDirectory() as tmp:
             argv = [tmp, "--run_dir", f"{tmp}/run", "--seed", "0",
                     "--model.vocab_size", str(VOCAB), "--model.d_model", str(d_model),

@@ -86,5 +86,6 @@ def print_summary(s: dict, sample: str) -> None:
             ("evaluation", f"{s['eval']} (ppl.json, per_position.csv, per_position.png)"), ("sample", s["sample"])]
     width = max(len(k) for k, _ in rows)
     out = sys.stdout
-    out.write("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows) + "\n\nsample:\n  " + sample + "\n")
+    quoted = "\n".join(f"  {line}" for line in sample.splitlines())  # every line of a sample indented, as one block
+    out.write("\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows) + "\n\nsample:\n" + quoted + "\n")
     out.write(f"\n{NEXT_STEP}\n")

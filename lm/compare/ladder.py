@@ -49,6 +49,7 @@ from lm.compare.ladder_plan import (
     sweep_runs,
     swept,
 )
+from lm.compare.ladder_progress import StageProgress
 from lm.compare.ladder_records import check_code
 from lm.compare.lr_transfer import LrRule, best_lr, fit_rule, widening
 from lm.compare.plan import load_base, run_config, sequences_per_step
@@ -290,7 +291,14 @@ def execute(runs: list[Run], out: Path, stage: str, where: str, workers: int, sl
         def done(name: str, result: dict) -> None:
             print(f"lm compare ladder: {name} done in {result['seconds']:.0f} s", file=sys.stderr)
 
-        run_locally({run.name: partial(train_run, str(config_path(out, run))) for run in pending}, out, workers, done)
+        jobs = {run.name: partial(train_run, str(config_path(out, run))) for run in pending}
+        if workers == 1:  # the runs train here and print their own progress
+            run_locally(jobs, out, workers, done)
+            return True
+        by_name = {run.name: run for run in pending}
+        logs = {name: out / "logs" / f"{name}.log" for name in by_name}
+        with StageProgress(stage, logs, lambda name: ended(out, by_name[name])):
+            run_locally(jobs, out, workers, done)
         return True
     from lm.slurm.submit import submit_from_args
 

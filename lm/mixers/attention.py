@@ -71,10 +71,20 @@ class Attention(Mixer):
 
     @dataclass
     class Options:
-        n_kv_heads: int | None = None  # grouped-query heads; None: n_heads
+        """Causal softmax attention with rotary position embeddings, grouped-query heads and a KV cache.
+
+        Attributes:
+            n_kv_heads: key and value heads, shared by groups of query heads (n_heads a multiple of it); null: n_heads
+            rope_theta: RoPE's base, the angles position * rope_theta^(-2i / head_dim)
+            rope_restart: with document resets, rotary positions count from each document's start
+            kernel: what computes the masked softmax: auto (FlexAttention on CUDA where the mask is more than causal,
+                else SDPA), sdpa or flex
+        """
+
+        n_kv_heads: int | None = None
         rope_theta: float = 10000.0
-        rope_restart: bool = True  # with resets, rotary positions count from each document's start
-        kernel: Literal["auto", "sdpa", "flex"] = "auto"  # what computes the masked softmax (the class docstring)
+        rope_restart: bool = True
+        kernel: Literal["auto", "sdpa", "flex"] = "auto"
 
     window: int | None = None  # keys each query sees, itself included (None: all before it)
 
@@ -190,7 +200,7 @@ class Attention(Mixer):
         """The last window - 1 of keys (or values) [B, heads, T, head_dim]: what the next token can see of them."""
         return keys[:, :, max(0, keys.shape[2] - (self.window - 1)):]
 
-    @torch.compiler.disable  # eager under torch.compile, as lm.mixers.context_parallel.mix_in_parallel says why
+    @torch._disable_dynamo  # eager under torch.compile, as lm.mixers.context_parallel.mix_in_parallel says why
     def mix_in_context(self, x: torch.Tensor, reset: torch.Tensor | None, group) -> torch.Tensor:
         """The output on this rank's piece x of each window (lm.mixers.context_parallel): its queries, keys and values
         at their positions in the window (RoPE counts from rank i's first token, i x the piece; with documents, from

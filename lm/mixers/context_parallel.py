@@ -146,7 +146,7 @@ def _piece_transfer(mixer, x: torch.Tensor, tails: dict, reset: torch.Tensor | N
 
 # Eager under torch.compile (trainer.compile): the exchange branches on the rank's place in its group, so each rank
 # would trace another graph, and the compiled graphs' collectives did not meet (gloo: "collective mismatch").
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, dynamo imported at the first call, not here (lm.ops.self_check)
 def mix_in_parallel(mixer, x: torch.Tensor, reset: torch.Tensor | None, group: ContextGroup) -> torch.Tensor:
     """A recurrent mixer's output on this rank's piece x, entered with the state of the whole window before it,
     through an exchange of transfer maps (the module docstring).

@@ -56,6 +56,21 @@ class DeltaNet(Mixer):
 
     @dataclass
     class Options:
+        """DeltaNet: the delta rule with short convolutions, L2-normalised q and k and an output gate.
+
+        Attributes:
+            expand_v (x head_dim): value size per head, V = expand_v * head_dim (the keys have head_dim)
+            conv_size (tokens): width of the short causal convs + SiLU on q, k and v; 0: none
+            qk_norm: L2-normalise q and k per head
+            output_norm: a per-head RMSNorm on the op's output, before the output gate; false: the norm's weight alone
+            beta_range: [low, high] of beta = low + (high - low) sigmoid(W_beta x), the write strength; [0, 2] lets the
+                eigenvalue 1 - beta reach -1 (negative eigenvalues: parity, state tracking); [0, 1]: DeltaNet's
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            backend: what computes the op: auto (flash-linear-attention's kernel for CUDA bf16/fp16 where installed,
+                else torch), torch or fla
+        """
+
         expand_v: float = 1.0
         conv_size: int = 4
         qk_norm: bool = True
@@ -145,6 +160,8 @@ class GatedDeltaNet(DeltaNet):
 
     @dataclass
     class Options(DeltaNet.Options):
+        """Gated DeltaNet: DeltaNet with a decay per head; values twice the keys' size (expand_v 2, its paper's)."""
+
         expand_v: float = 2.0
 
     gated = True

@@ -38,13 +38,29 @@ class GLA(Mixer):
 
     @dataclass
     class Options:
+        """GLA: linear attention with a low-rank data-dependent decay per key dimension and a SiLU output gate.
+
+        Attributes:
+            expand_v (x head_dim): value size per head, V = expand_v * head_dim (the keys have head_dim)
+            gate_rank: rank of the decay's low-rank projection W_2 W_1
+            gate_temperature: tau in log alpha_t = logsigmoid(W_2 W_1 x_t + b) / tau; larger: decays nearer 1 at init
+            conv_size (tokens): width of short causal convs + SiLU on q, k and v (fla's use_short_conv); 0: none, GLA's
+            output_norm: a per-head RMSNorm on the op's output, before the output gate; false: the norm's weight alone
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            sub_chunk (tokens): the secondary chunk of the per-key decay within a chunk: speed
+                (docs/performance-history.md)
+            backend: what computes the op: auto (flash-linear-attention's kernel for CUDA bf16/fp16 where installed,
+                else torch), torch or fla
+        """
+
         expand_v: float = 2.0
         gate_rank: int = 16
         gate_temperature: float = 16.0
         conv_size: int = 0
-        output_norm: bool = True  # false: o * w * silu(W_r x), without the per-head RMSNorm
+        output_norm: bool = True
         chunk_size: int = 64
-        sub_chunk: int = 8  # the op's secondary chunks (GLA's paper; the trade-off: docs/performance-history.md)
+        sub_chunk: int = 8
         backend: str = "auto"
 
     paper_heads = 0.5

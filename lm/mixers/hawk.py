@@ -57,8 +57,21 @@ class Hawk(Mixer):
 
     @dataclass
     class Options:
-        expand: float = 4 / 3  # Griffin's D_RNN = 4 D / 3
-        conv_size: int = 4  # 0: none
+        """Hawk: Griffin's recurrent block, a gated branch times a short conv and the RG-LRU.
+
+        Attributes:
+            expand (x d_model): width of the recurrent branch, W = expand * d_model rounded to a multiple of n_heads
+                (Griffin's 4/3)
+            conv_size (tokens): width of the short causal conv (with a bias) before the RG-LRU; 0: none
+            c: the constant in the RG-LRU's decay, log a_t = -c r_t softplus(Lambda) (Griffin's 8)
+            chunk_size (tokens): the chunk of the chunkwise scan (training): speed and memory, the same result to
+                rounding
+            backend: what computes the scan: auto (flash-linear-attention's fused_recurrent_hgrn for CUDA bf16/fp16
+                where installed, else torch), torch or fla
+        """
+
+        expand: float = 4 / 3
+        conv_size: int = 4
         c: float = 8.0
         chunk_size: int = 64
         backend: str = "auto"

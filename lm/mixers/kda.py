@@ -45,14 +45,34 @@ class KDA(Mixer):
 
     @dataclass
     class Options:
+        """Kimi Delta Attention: the delta rule with a decay per key channel; GDN-2's erase and write gates optional.
+
+        Attributes:
+            expand_v (x head_dim): value size per head, V = expand_v * head_dim (the keys have head_dim); also the rank
+                of the low-rank decay and output gates
+            conv_size (tokens): width of the short causal convs + SiLU on q, k and v; 0: none
+            qk_norm: L2-normalise q and k per head
+            output_norm: a per-head RMSNorm on the op's output, before the output gate; false: the norm's weight alone
+            channel_gates: GDN-2's gates in place of beta: an erase gate per key channel, a write gate per value channel
+            beta_range: [low, high] of beta (of the erase gate with channel_gates) = low + (high - low) sigmoid(W_b x);
+                [0, 2] lets the eigenvalue 1 - beta reach -1 (negative eigenvalues: parity, state tracking); [0, 1]:
+                KDA's
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            sub_chunk (tokens): the secondary chunk of the per-channel decay within a chunk: speed (the chunk is rounded
+                up to a multiple of it)
+            backend: what computes the op: auto (flash-linear-attention's chunk_kda for CUDA bf16/fp16 where installed
+                and it passes its self-check, else torch), torch or fla
+        """
+
         expand_v: float = 1.0
         conv_size: int = 4
         qk_norm: bool = True
         output_norm: bool = True
         channel_gates: bool = False
         beta_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-        chunk_size: int = 64
-        sub_chunk: int = 8
+        chunk_size: int = 32  # 32 and 1: the fastest on a CPU, at the ladder's widths and at 256 (docs/performance.md)
+        sub_chunk: int = 1
         backend: str = "auto"
 
     @classmethod

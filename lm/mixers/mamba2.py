@@ -32,10 +32,24 @@ class Mamba2(Mixer):
 
     @dataclass
     class Options:
+        """Mamba2: SSD, a state space model with a scalar decay per head, a short conv and a gated RMSNorm.
+
+        Attributes:
+            expand (x d_model): inner width I = expand * d_model, n_heads heads of I / n_heads values each (head_dim is
+                the state size)
+            n_groups: groups of heads that share B and C (n_heads a multiple of it)
+            conv_size (tokens): width of the short causal conv + SiLU on x, B and C; 0: none
+            output_norm: an RMSNorm of y * silu(z); false: y * silu(z) times the norm's weight
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            backend: what computes the op: auto (flash-linear-attention's kernel for CUDA bf16/fp16 where installed,
+                else torch), torch or fla
+        """
+
         expand: float = 2.0
         n_groups: int = 1
-        conv_size: int = 4  # 0: none
-        output_norm: bool = True  # false: y * silu(z) * w, without the RMSNorm
+        conv_size: int = 4
+        output_norm: bool = True
         chunk_size: int = 64
         backend: str = "auto"
 

@@ -62,6 +62,31 @@ class Mesa(Mixer):
 
     @dataclass
     class Options:
+        """Mesa layer: o_t = G_t (H_t + Lambda)^-1 q_t, an in-context ridge regression solved by conjugate gradient.
+
+        Attributes:
+            expand_v (x head_dim): value size per head, V = expand_v * head_dim (the keys have head_dim)
+            conv_size (tokens): width of the short causal convs + SiLU on q and k (and v with conv_v); 0: none
+            conv_v: a short causal conv + SiLU on v as well
+            qk_norm: L2-normalise q and k per head
+            output_norm: a per-head RMSNorm on the op's output (its weight from norm_init); false: the weight alone
+            cg_steps: most CG steps per token in training (0: gated linear attention read out with q)
+            cg_steps_eval: most CG steps per token in evaluation and decoding; null: cg_steps
+            cg_tol: relative residual at which a token's solve stops early; null: always the full steps
+            lam_floor: the floor of Lambda = lam_floor + softplus(.), per head and key channel
+            lam_init: Lambda at init, per head and key channel (above lam_floor)
+            gamma_cap: the forget gate capped as gamma (1 - (1 - gamma_cap) beta^2), against runs of repeated tokens;
+                null: no cap
+            output_gate: the normed output times silu(W_g x)
+            gamma_init: the forget gate's biases at init, each head's memory 1 / (1 - gamma): spread (2 to 512 tokens
+                across heads), narrow (20 to 400) or zero (2 in every head)
+            norm_init: the output RMSNorm's weight at init (lm research mesa-ablation, docs/mesa.md)
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            backend: what computes the op: auto (lm's Triton kernels on CUDA where they take the head sizes, else
+                torch), torch, triton or fla (fla's solver, another algorithm: only by name)
+        """
+
         expand_v: float = 1.0
         conv_size: int = 4
         conv_v: bool = False

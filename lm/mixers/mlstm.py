@@ -41,12 +41,28 @@ class MLSTM(Mixer):
 
     @dataclass
     class Options:
+        """mLSTM as in xLSTM 7B: a matrix memory with exponential input and sigmoid forget gates, an output gate.
+
+        Attributes:
+            qk_dim_factor (x d_model): width of q and of k over all heads
+            v_dim_factor (x d_model): width of v over all heads
+            gate_soft_cap: the gates' pre-activations soft-capped to (-cap, cap) by cap tanh(x / cap); null: no cap
+            eps: added to the cell's normaliser, h_t = C_t^T q_t / (max(|n_t^T q_t|, exp(-m_t)) + eps)
+            conv_size (tokens): width of a short causal conv + SiLU before q and k (the first xLSTM paper's block); 0:
+                none, xLSTM 7B's
+            output_norm: a per-head RMSNorm on the cell's output; false: the norm's weight alone
+            chunk_size (tokens): the chunk of the chunkwise form (training): speed and memory, the same result to
+                rounding
+            backend: what computes the cell: auto (torch: mlstm_kernels' gradients did not match on the one GPU it ran
+                on), torch or mlstm_kernels (CUDA)
+        """
+
         qk_dim_factor: float = 0.5
         v_dim_factor: float = 1.0
         gate_soft_cap: float | None = 15.0
         eps: float = 1e-6
         conv_size: int = 0
-        output_norm: bool = True  # false: the cell's output times the norm's weight, without the RMSNorm
+        output_norm: bool = True
         chunk_size: int = 64
         backend: str = "auto"
 

@@ -37,6 +37,14 @@ class PrecondGatedDeltaNet(GatedDeltaNet):
 
     @dataclass
     class Options(GatedDeltaNet.Options):
+        """Preconditioned Gated DeltaNet: Gated DeltaNet's step along the key scaled by a diagonal preconditioner.
+
+        Attributes:
+            squash: the preconditioner M_t lies in (1/squash, squash); 1 < squash <= 2 (2 and below keep it stable)
+            squash_eps: eps in log(A_t + eps), A_t the keys' recent energy that sets M_t
+            center_init: the learnt center c of log(A_t + eps) at init, per head (M_t is 1 where they meet)
+        """
+
         squash: float = 1.5
         squash_eps: float = 1e-6
         center_init: float = -0.2

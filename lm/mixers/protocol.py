@@ -105,8 +105,12 @@ def _built_param_count(cls: type["Mixer"], d_model: int, n_heads: int, head_dim:
 def _planned_call(cls: type["Mixer"], d_model: int, n_heads: int, head_dim: int, options: str,
                   training: bool) -> OpCall:
     """The mixer's op call for one token, built and run on the meta device (no memory, no compute): the op's name,
-    its inputs' shapes and its options, in training or in evaluation, for counting without a model."""
-    with torch.device("meta"):
+    its inputs' shapes and its options, in training or in evaluation, for counting without a model.
+
+    Built without autograd: where the first call comes inside a block that activation checkpointing runs again
+    (context parallelism asks the op's name there), what it saved for a backward would be missing from the
+    recomputation, which finds the call cached, and torch's checkpoint refuses the difference (a CheckpointError)."""
+    with torch.device("meta"), torch.no_grad():
         module = cls(d_model, n_heads, head_dim, 0, **json.loads(options)).train(training)
         return module.op_inputs(torch.empty(1, 1, d_model), {}, None)
 

@@ -16,7 +16,14 @@ class SlidingWindowAttention(Attention):
 
     @dataclass
     class Options(Attention.Options):
-        window: int = 1024  # keys each query sees, itself included
+        """Sliding-window attention: attention in which each token sees itself and the window - 1 tokens before it.
+
+        Attributes:
+            window (tokens): keys each query sees, itself included (lm compare plan and the probes: half the training
+                length where a config leaves it unset)
+        """
+
+        window: int = 1024
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, layer_idx: int = 0, **options):
         super().__init__(d_model, n_heads, head_dim, layer_idx, **options)

@@ -22,14 +22,21 @@ T = (I + A)^{-1} (A strictly lower), W = T (exp(g) * R) and U~ = T W_values, ind
     U   = U~ - W S_0
     o_t = scale * ((exp(g_t) * q_t)^T S_0 + sum_{j<=t} (q_t . (exp(g_t - g_j) * p_j)) u_j)
     S_C = Diag(exp(g_C)) S_0 + sum_j (exp(g_C - g_j) * p_j) u_j^T
-The per-channel weights exp(g_t - g_j) are GLA's (lm.ops.linear_attention), kept finite in float32 the same way: the
-chunk is cut into sub-chunks of c steps; across sub-chunks the weight factors through the step r before the query's
-sub-chunk, exp(g_t - g_r) exp(g_r - g_j), both exponents <= 0, so those blocks are matrix products; within a diagonal
-sub-chunk the [c, c, K] differences are exponentiated directly, -inf above the diagonal. Every exponent is a sum of
-log-decays over the steps it spans (never a difference of large cumulative sums), so strong decays over long sequences
-neither overflow nor lose the weak channels' accuracy. With a decay per head the plain C x C form of lm.ops.delta_rule
-is used instead. A reset (`reset` [B, T]) clears the state before its step, which is a zero decay there: every weight
-that spans it is multiplied by 0 (`ChunkDocuments`' masks).
+The per-channel weights exp(g_t - g_j) are kept finite in float32 as GLA's (lm.ops.linear_attention), by sub-chunks of c
+steps, whose pairs of steps are found by halves: the chunk's pairs (t, j) with t in its second half and j in its first
+are one matrix product, the weight factored through the halves' boundary r as exp(g_t - g_r) exp(g_r - g_j), both
+exponents <= 0; the pairs within each half are the same problem again, all the halves of one size at once; a lone
+sub-chunk exponentiates its [c, c, K] differences directly, -inf above the diagonal (c = 1: a step's own key,
+undecayed). Every exponent is a sum of log-decays over the steps it spans (never a difference of large cumulative sums),
+so strong decays over long sequences neither overflow nor lose the weak channels' accuracy. The products take (C - c) K
+multiply-adds per step for the scores and as many for A, as one product per sub-chunk against all the earlier ones
+would, but in log2(C / c) rounds of batched products with a few elementwise passes over [C, K] each, rather than C / c
+rounds and the [c, c, K] decays of every sub-chunk. On a CPU at small widths (the CPU ladder's), where the elementwise
+work and the number of small kernels dominate, these weights are still about half of the op, and at matched parameters
+KDA has two to three times Gated DeltaNet's heads (Gated DeltaNet takes its paper's half heads): that, not a slow path,
+is why KDA trains there at about half of Gated DeltaNet's tokens/s (docs/performance.md, docs/mixers.md). With a decay
+per head the plain C x C form of lm.ops.delta_rule is used instead. A reset (`reset` [B, T]) clears the state before its
+step, which is a zero decay there: every weight that spans it is multiplied by 0 (`ChunkDocuments`' masks).
 """
 
 import torch
@@ -73,8 +80,9 @@ def kda(
     [B, T, H], the erase and write gate where `erase` / `write` are not given; erase: b, [B, T, H, K] (or [B, T, H]);
     write: w, [B, T, H, V] (or [B, T, H]); initial_state: [B, H, K, V] or None (zeros); reset: [B, T] bool or None,
     True where the state is cleared before the step. Any T works. Returns (out [B, T, H, V] in q's dtype, final_state
-    [B, H, K, V] in float32, or float64 for float64 inputs). sub_chunk: the secondary chunk of the per-key decay (the
-    chunk is rounded up to a multiple of it), as in lm.ops.linear_attention.
+    [B, H, K, V] in float32, or float64 for float64 inputs). sub_chunk: the steps of the per-key decay whose pairwise
+    decays are exponentiated directly (module docstring; the chunk is rounded up to a multiple of it). The KDA mixer
+    defaults to chunk_size 32 and sub_chunk 1, the fastest on a CPU (docs/performance.md).
     backend: "torch" (this code), "fla" (fla's chunk_kda, or chunk_gdn2 with channel gates; CUDA, bf16/fp16) or
     "auto" (fla for CUDA bf16/fp16 inputs when it imports and passes its self-check, else torch).
     """
@@ -207,35 +215,48 @@ def generalized_delta(q, read, write_key, values, log_alpha, scale, initial_stat
 
 
 def _pairwise_per_key(xs, p, g, c):
-    """For each x in xs ([B, H, N, C, K]), the [B, H, N, C, C] matrix sum_c x_t,c p_j,c exp(g_t,c - g_j,c) for j <= t
-    (0 above the diagonal), g the per-channel log-decays; by sub-chunks of c steps (module docstring)."""
-    C = p.shape[-2]
-    M = C // c
-    sub = lambda x: x.unflatten(-2, (M, c))  # noqa: E731  [B, H, N, M, c, K]
-    g_sub, p_sub = sub(g), sub(p)
-    from_r = g_sub.cumsum(-2)  # log-decay from the step before t's sub-chunk to t
-    sub_total = from_r[..., -1, :]  # [B, H, N, M, K], over each whole sub-chunk
+    """For each x in xs ([B, H, N, C, K]), the [B, H, N, C, C] matrix sum_k x_t,k p_j,k exp(g_t,k - g_j,k) for j <= t
+    (0 above the diagonal), g the per-channel log-decays, by sub-chunks of c steps (module docstring)."""
+    one_block = lambda x: x.unsqueeze(-3)  # noqa: E731  [B, H, N, 1, C, K]: the chunk as the tree's one block
+    pairwise = _pairwise_tree([one_block(x) for x in xs], one_block(p), one_block(g), c, p.shape[-2] // c)
+    return [m.squeeze(-3) for m in pairwise]
 
-    # Diagonal sub-chunks: [c, c, K] pairwise decays, -inf above the diagonal before exp (no inf, no NaN backward).
-    causal = torch.ones(c, c, dtype=torch.bool, device=p.device).tril()[..., None]
-    decayed_p = (from_r[..., :, None, :] - from_r[..., None, :, :]).masked_fill(~causal, float("-inf")).exp() \
-        * p_sub[..., None, :, :]  # [B, H, N, M, c, c, K]
-    diagonals = [(sub(x)[..., :, None, :] * decayed_p).sum(-1).unbind(-3) for x in xs]  # M blocks [B, H, N, c, c]
 
-    # Earlier sub-chunks: x_t decayed from r to t against p_j decayed from j to r, all xs in one product per row.
-    x_from_r = torch.cat([sub(x) * from_r.exp() for x in xs], dim=-2).unbind(-3)  # M x [B, H, N, len(xs) c, K]
-    p_to_end = (p_sub * _sum_after(g_sub).exp()).unbind(-3)  # p_j decayed to the end of its sub-chunk
-    rows = [[] for _ in xs]
-    for i in range(M):
-        earlier = [None] * len(xs)
-        if i > 0:
-            between = _sum_after(sub_total[..., :i, :]).exp()[..., None, :]  # from the end of sub-chunk j to r
-            p_before = (torch.stack(p_to_end[:i], dim=-3) * between).flatten(-3, -2)  # [B, H, N, i c, K]
-            earlier = (x_from_r[i] @ p_before.transpose(-1, -2)).split(c, dim=-2)
-        for row, before, diagonal in zip(rows, earlier, (d[i] for d in diagonals)):
-            blocks = [diagonal, p.new_zeros(*p.shape[:3], c, C - (i + 1) * c)]
-            row.append(torch.cat(blocks if before is None else [before, *blocks], dim=-1))
-    return [torch.cat(row, dim=-2) for row in rows]
+def _pairwise_tree(xs, p, g, c, leaves):
+    """`_pairwise_per_key` of blocks of `leaves` sub-chunks ([..., blocks, leaves c, K]), by halves. The pairs of steps
+    in different halves are one product: x_t decayed from the halves' boundary to t against p_j decayed from j to the
+    boundary (both exponents <= 0, each a sum over the steps it spans). The pairs within a half are the same problem
+    on fewer steps, both halves in one call (as twice the blocks) when they are of one size. A lone sub-chunk
+    exponentiates its [c, c, K] differences directly, -inf above the diagonal before exp (no inf, no NaN backward).
+    Whatever the split, every pair of steps in different sub-chunks is in exactly one product: (C - c) K
+    multiply-adds per step and x, as one product per sub-chunk against all earlier ones would take, in log2(C / c)
+    rounds of batched products rather than C / c of ever wider ones."""
+    if leaves == 1 and c == 1:  # a single step: its own key, undecayed
+        return [(x * p).sum(-1, keepdim=True) for x in xs]
+    if leaves == 1:
+        b = g.cumsum(-2)  # log-decay from the step before the sub-chunk to t
+        causal = torch.ones(c, c, dtype=torch.bool, device=p.device).tril()[..., None]
+        decayed_p = (b[..., :, None, :] - b[..., None, :, :]).masked_fill(~causal, float("-inf")).exp() \
+            * p[..., None, :, :]  # [..., c, c, K]
+        return [(x[..., :, None, :] * decayed_p).sum(-1) for x in xs]
+    first = leaves // 2
+    h = first * c  # steps in the first half
+    into = g[..., h:, :].cumsum(-2).exp()  # from the boundary to t, for t in the second half
+    p_first = p[..., :h, :] * _sum_after(g[..., :h, :]).exp()  # p_j decayed from j to the boundary
+    x_second = torch.cat([x[..., h:, :] * into for x in xs], dim=-2)  # all xs in one product
+    crosses = (x_second @ p_first.transpose(-1, -2)).split(into.shape[-2], dim=-2)
+    if 2 * first == leaves:
+        as_blocks = lambda x: x.unflatten(-2, (2, h)).flatten(-4, -3)  # noqa: E731  the halves as blocks
+        within = [m.unflatten(-3, (-1, 2)).unbind(-3)
+                  for m in _pairwise_tree([as_blocks(x) for x in xs], as_blocks(p), as_blocks(g), c, first)]
+    else:
+        within = zip(_pairwise_tree([x[..., :h, :] for x in xs], p[..., :h, :], g[..., :h, :], c, first),
+                     _pairwise_tree([x[..., h:, :] for x in xs], p[..., h:, :], g[..., h:, :], c, leaves - first))
+    pairwise = []
+    for (first_half, second_half), cross in zip(within, crosses):
+        above = first_half.new_zeros(*first_half.shape[:-1], second_half.shape[-1])
+        pairwise.append(torch.cat([torch.cat([first_half, above], -1), torch.cat([cross, second_half], -1)], -2))
+    return pairwise
 
 
 def _sum_after(g: torch.Tensor) -> torch.Tensor:

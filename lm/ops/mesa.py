@@ -253,7 +253,9 @@ def _triton_kernels():
     return import_kernels(load)
 
 
-@torch.compiler.disable(reason="mesa's autograd Function writes its CG telemetry into a dict in forward and backward")
+# Eager under torch.compile: the autograd Function writes its CG telemetry into a dict in forward and backward.
+# (torch._disable_dynamo is torch.compiler.disable without importing dynamo until the first call: lm.ops.self_check.)
+@torch._disable_dynamo
 def _apply_eagerly(*args):
     """`_MesaFunction.apply`, left out of torch.compile: a named graph break at this call; the mixer's other layers
     still compile. Dynamo cannot trace the info dict's updates (side effects inside the Function, the backward's among

@@ -124,7 +124,10 @@ def checked(name: str, device, shape_class: Hashable, fast_fn: Callable, referen
     return verdict.ok
 
 
-@torch.compiler.disable(reason="a fast path's self-check runs once, eagerly, the first time it is met")
+# A fast path's self-check runs once, eagerly, the first time it is met. torch._disable_dynamo is torch.compiler.disable
+# applied at the first call: the latter imports torch._dynamo (about 1 CPU-s) when this module is imported, which
+# `lm train` pays before it can refuse a config (lm.training.preflight).
+@torch._disable_dynamo
 def _check(key, fast_fn, reference_fn, make_inputs, dtype, bound: Bound, grads: bool, keep_autocast: bool) -> Verdict:
     name, device, shape_class = key
     start = time.perf_counter()

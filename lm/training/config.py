@@ -1,14 +1,19 @@
-"""The training run's configuration: dataclasses read from YAML + command-line overrides by jsonargparse."""
+"""The training run's configuration: dataclasses read from YAML + command-line overrides by jsonargparse.
+
+Without torch: this module and what it imports at its top (tests/test_layers.py) check a config everywhere that needs
+no torch, so that a mistake in it (an unknown key, a wrong type, an unknown mixer or mixer option) ends in one line
+before torch's import, which costs a process seconds; the check that does need it (each mixer built on the meta
+device, lm.model_config) follows once the whole config has passed (parse_run_config)."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from lm.model import LMConfig
-from lm.training.data import DataConfig
+from lm.model_config import LMConfig, mixers_built_later
+from lm.training.data_config import DataConfig
 from lm.training.schedule import OptimConfig
-from lm.training.strategy import StrategyConfig
+from lm.training.strategy_config import StrategyConfig
 from lm.util.config_errors import check_config_files, error_line
 from lm.util.errors import UserError
 
@@ -36,6 +41,9 @@ class TrainerConfig:
             heads) every this many optimizer steps (0: never; lm.training.callbacks.rank_monitor).
         stop_after_skips: Steps with non-finite gradients are skipped (callbacks/stability.py); this many in a
             row stop the run with a checkpoint.
+        allow_schedule_change: Resume from a checkpoint trained under another learning-rate schedule (max_steps, or
+            optim's lr, schedule, warmup_steps, init_lr, min_lr_ratio, decay_fraction), which is otherwise refused;
+            the run's record notes the change (lm.training.schedule_change).
     """
 
     max_steps: int = 1000
@@ -53,6 +61,7 @@ class TrainerConfig:
     wandb_mode: str = "offline"
     rank_every: int = 0
     stop_after_skips: int = 5
+    allow_schedule_change: bool = False
 
     def __post_init__(self):
         at_least("trainer.stop_after_skips", self.stop_after_skips, 1)
@@ -139,7 +148,7 @@ def at_least(name: str, value: int, least: int) -> None:
 
 
 def check_data(d: DataConfig) -> None:
-    """The data section's sizes, which DataConfig (training/data.py) leaves unchecked; a zero micro-batch would
+    """The data section's sizes, which DataConfig (training/data_config.py) leaves unchecked; a zero micro-batch would
     otherwise fail only inside the first training step, after the run directory is written."""
     for name in ("seq_len", "micro_batch"):
         at_least(f"data.{name}", getattr(d, name), 1)
@@ -163,10 +172,13 @@ def train_parser() -> ArgumentParser:
 def parse_run_config(argv: list[str]) -> tuple[RunConfig, str, str]:
     """(config, resume, resolved YAML) from `lm train` arguments; bad input raises UserError."""
     check_config_files(argv)  # a YAML syntax error names its file and line
-    parser = train_parser()
+    with mixers_built_later():  # jsonargparse makes the default LMConfig here
+        parser = train_parser()
     try:
-        namespace = parser.parse_args(argv)
-        run = parser.instantiate(namespace)
+        with mixers_built_later():  # every check that needs no torch, over the whole config, first
+            namespace = parser.parse_args(argv)
+            run = parser.instantiate(namespace)
+        run.model.check_mixers()  # then the mixers built on the meta device, which imports torch
     except UserError:
         raise
     except Exception as err:  # jsonargparse reports every bad key, type and file as an exception

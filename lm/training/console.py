@@ -5,8 +5,10 @@ import logging
 import warnings
 
 # logger -> the starts of the messages it drops. Lightning's rank-zero logger is the fabric one until
-# lightning.pytorch is imported, and lightning.pytorch's after.
-_RANK_ZERO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_steps=")
+# lightning.pytorch is imported, and lightning.pytorch's after. A resume's two (`lm train` says "resuming from ..."
+# itself, once).
+_RANK_ZERO = ("GPU available: ", "TPU available: ", "💡 Tip: ", "`Trainer.fit` stopped: `max_steps=",
+              "Restoring states from the checkpoint path at ", "Restored all states from the checkpoint at ")
 BANNERS = {
     "lightning.pytorch.utilities.rank_zero": _RANK_ZERO,
     "lightning.fabric.utilities.rank_zero": _RANK_ZERO,
@@ -20,6 +22,9 @@ KNOWN_WARNINGS = [
     # val/ppl and a mixture's val/loss are logged after their reduction over the ranks (LMModule): the same value on
     # every rank, which sync_dist would all-reduce again for nothing.
     (UserWarning, r"It is recommended to use `self\.log\('val/(ppl|loss)"),
+    # Every resume: the checkpoints folder holds the checkpoints it resumes from, which lm keeps and prunes itself
+    # (lm.training.step_checkpoint).
+    (UserWarning, r"Checkpoint directory .* exists and is not empty\."),
 ]
 
 

@@ -2,24 +2,20 @@
 a multi-process run started inside a SLURM job without `srun`, several nodes asked for outside a launcher that starts
 them or started by hand without the address where they meet, torchrun's processes that are not the run's, a strategy
 this machine cannot run, or a run directory that another live process is already training. Each would otherwise hang,
-fail in a traceback, train with the wrong world size, or interleave two runs' checkpoints.
+fail in a traceback, train with the wrong world size, or interleave two runs' checkpoints. The checks run before
+Lightning is imported (lm.training.preflight); the run directory's lock is held by a callback for the whole fit
+(lm.training.callbacks.run_dir_lock).
 """
 
-import fcntl
-import json
 import os
-import socket
 import sys
-from pathlib import Path
-
-import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lm.training.config import RunConfig, check_mixer_options
-from lm.training.strategy import check_strategy
+from lm.training.stop_request import is_rank_zero
+from lm.training.strategy_config import check_strategy
 from lm.util.errors import UserError
 
-LOCK_NAME = ".lm-train.lock"
+LOCK_NAME = ".lm-train.lock"  # in the run directory, held by lm.training.callbacks.run_dir_lock.RunDirLock
 
 
 def check_slurm_launch(world_size: int, env=os.environ) -> None:
@@ -29,9 +25,12 @@ def check_slurm_launch(world_size: int, env=os.environ) -> None:
     ntasks = int(env["SLURM_NTASKS"])
     if "SLURM_STEP_ID" not in env:  # the batch script itself, not a task that srun started
         if world_size > 1 or ntasks > 1:
-            raise UserError(f"SLURM job {env['SLURM_JOB_ID']} has {ntasks} tasks and the run needs {world_size} "
-                            f"processes, but lm train was started without srun: launch it with `srun lm train ...` "
-                            f"(lm slurm submit does)")
+            # srun starts the job's tasks: where they are not the run's processes, it needs another job too
+            resubmit = "" if ntasks == world_size else \
+                ", in a job submitted with --nodes=num_nodes and --ntasks-per-node=devices"
+            raise UserError(f"SLURM job {env['SLURM_JOB_ID']} has {ntasks} task{'s' * (ntasks != 1)} and the run "
+                            f"needs {world_size} process{'es' * (world_size != 1)}, but lm train was started without "
+                            f"srun: launch it with `srun lm train ...`{resubmit} (lm slurm submit does)")
         return
     if ntasks != world_size:
         raise UserError(f"SLURM_NTASKS is {ntasks} but the run needs strategy.num_nodes x strategy.devices = "
@@ -81,41 +80,6 @@ def check_launch(config: RunConfig) -> None:
     check_hand_launch(st.num_nodes)
     check_torchrun_launch(st.world_size)
     check_strategy(st, config.optim.grad_clip, config.data.micro_batch)
-    if st.precision_notice and rank_zero_only.rank == 0:
+    if st.precision_notice and is_rank_zero():
         print(f"lm train: warning: {st.precision_notice}", file=sys.stderr)
 
-
-class RunDirLock(L.Callback):
-    """Global rank 0 holds an exclusive lock on the run directory for the whole fit. It is a POSIX record lock
-    (lockf): it dies with the process, so a killed or requeued run never leaves a stale one, forked data-loader
-    workers do not inherit it, and it also holds over NFS. All ranks learn the outcome through one broadcast, so
-    they fail together rather than hang."""
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_NAME
-        self._file = None
-
-    def setup(self, trainer, pl_module, stage):
-        holder = None
-        if trainer.is_global_zero:
-            self._file = open(self.path, "a+")
-            try:
-                fcntl.lockf(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._file.truncate(0)
-                self._file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                             "slurm_job": os.environ.get("SLURM_JOB_ID")}))
-                self._file.flush()
-            except OSError:  # EAGAIN / EACCES: held by another process
-                self._file.seek(0)
-                holder = self._file.read() or "{}"
-                self._file.close()
-                self._file = None
-        holder = trainer.strategy.broadcast(holder)
-        if holder is not None:
-            raise UserError(f"run_dir {self.path.parent} is being trained by another live process {holder}: "
-                            f"wait for it, cancel it, or use another run_dir")
-
-    def teardown(self, trainer, pl_module, stage):
-        if self._file is not None:
-            self._file.close()  # closing releases the lock
-            self._file = None

@@ -22,9 +22,10 @@ PACKAGE = Path(__file__).resolve().parents[1]  # lm/
 
 
 def _git(*args: str) -> str | None:
-    """git's output in the checkout holding lm/, or None (no git, or lm/ is not in a checkout: an installed wheel)."""
+    """git's output, run in the folder holding lm/ (paths relative to it), or None (no git, lm/ in no checkout: an
+    installed wheel, or git failed)."""
     try:
-        done = subprocess.run(["git", "-C", str(PACKAGE), *args], capture_output=True, timeout=30)
+        done = subprocess.run(["git", "-C", str(PACKAGE.parent), *args], capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.decode(errors="replace") if done.returncode == 0 else None
@@ -40,8 +41,11 @@ def code_identity() -> dict:
     if top is None or Path(top.strip()).resolve() != PACKAGE.parent:
         return {"lm_version": __version__, "commit": None, "dirty": None, "diff_sha256": None}
     commit = (_git("rev-parse", "HEAD") or "").strip() or None
-    diff = _git("diff", "HEAD", "--binary", "--", "lm") or ""
-    new = (_git("ls-files", "--others", "--exclude-standard", "--", "lm") or "").split()
+    diff = _git("diff", "HEAD", "--binary", "--", "lm")
+    new = _git("ls-files", "--others", "--exclude-standard", "--", "lm")
+    if commit is None or diff is None or new is None:  # git failed: whether lm/ differs is not known
+        return {"lm_version": __version__, "commit": commit, "dirty": None, "diff_sha256": None}
+    new = new.split()
     digest = hashlib.sha256(diff.encode())
     for name in sorted(new):
         digest.update(name.encode() + b"\0" + (PACKAGE.parent / name).read_bytes())

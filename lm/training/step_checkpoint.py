@@ -1,5 +1,6 @@
 """Writing a checkpoint (the format and its readers: lm.training.checkpoint): Lightning's ModelCheckpoint, made to write
-under a temporary name and rename once every rank has finished, and to end the run in one line when a write fails.
+under a temporary name and rename once every rank has finished, and to end the run in one line when a write fails;
+on a resume, it counts the checkpoint's micro-batches as this run's accumulation would have (recount_micro_batches).
 Apart from the readers so that evaluation, export and `lm slurm status` do not import Lightning."""
 
 import os
@@ -99,6 +100,27 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module):
         if not self._should_skip_saving_checkpoint(trainer):  # the last step, unless `every` divided it
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        recount_micro_batches(checkpoint, trainer.accumulate_grad_batches)
+
+
+def recount_micro_batches(checkpoint: dict, accumulate: int) -> None:
+    """The checkpoint's count of micro-batches as this run would have counted them: global_step x its accumulation.
+
+    Lightning counts micro-batches: it steps the optimizer where its count is a multiple of the accumulation and
+    validates where it is a multiple of val_check_interval (trainer.val_every x accumulation). A resume on another
+    world size or micro-batch keeps the global batch with another accumulation, so the count of the run that wrote
+    the checkpoint, left as it was, put this run's steps off their boundaries: after a step written with
+    accumulation 1, the first step of a resume with 2 took one micro-batch, and one with val_every 2 validated at
+    steps 3 and 5. Every counter moves by the same amount, so Lightning still sees where in a step it was saved."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if progress is None or "global_step" not in checkpoint:  # a checkpoint of weights alone
+        return
+    shift = checkpoint["global_step"] * accumulate - progress["total"]["ready"]
+    for counts in (progress["total"], progress["current"]):  # one epoch: the run's windows are one stream
+        for key in counts:
+            counts[key] += shift
 
 
 def _write(trainer, tmp: Path, weights_only: bool) -> None:

@@ -1,4 +1,5 @@
-"""`lm train`: a run directory, a Lightning Trainer, and an exact resume from the newest checkpoint."""
+"""`lm train`: a run directory, a Lightning Trainer, and an exact resume from the newest checkpoint, built on what the
+checks of lm.training.preflight found."""
 
 import dataclasses
 import os
@@ -15,8 +16,6 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-from lm.mixers.context_parallel import check_layout
-from lm.training.batch import global_batch_of, resolve_accumulation
 from lm.training.callbacks.faults import InjectFaults
 from lm.training.callbacks.faults import planned as planned_faults
 from lm.training.callbacks.final_validation import FinalValidation
@@ -24,65 +23,28 @@ from lm.training.callbacks.graceful_stop import GracefulStop
 from lm.training.callbacks.mixer_metrics import MixerMetrics
 from lm.training.callbacks.progress import progress_callbacks
 from lm.training.callbacks.rank_monitor import RankMonitor
+from lm.training.callbacks.run_dir_lock import RunDirLock
 from lm.training.callbacks.slurm_restarts import LogSlurmRestarts
 from lm.training.callbacks.source_tokens import LogSourceTokens
 from lm.training.callbacks.spent_flops import SpentFlops
 from lm.training.callbacks.stability import StabilityMonitor
 from lm.training.callbacks.throughput import Throughput
-from lm.training.checkpoint import newest_checkpoint, require_usable
+from lm.training.checkpoint import newest_checkpoint
 from lm.training.checkpoint_io import StreamingCheckpointIO, stream_save
 from lm.training.config import RunConfig
 from lm.training.console import quiet_known_noise
-from lm.training.consolidate import checkpoint_format, checkpoint_world_size, deepspeed_stage, full_checkpoint
+from lm.training.consolidate import full_checkpoint
 from lm.training.data import count_windows
 from lm.training.data_module import CountConsumedWindows, TokenDataModule
-from lm.training.data_only import reading_data_only, require_data_only
-from lm.training.launch_guard import RunDirLock, check_launch
+from lm.training.data_only import reading_data_only
 from lm.training.metrics_log import StepCSVLogger
 from lm.training.module import LMModule
+from lm.training.preflight import Checked, preflight
 from lm.training.run_record import launch_entry, record_launch
 from lm.training.step_checkpoint import StepCheckpoint
 from lm.training.stop_request import StoppedForRequeue
-from lm.training.strategy import StrategyConfig, build_strategy
+from lm.training.strategy import build_strategy
 from lm.util.errors import Diverged, UserError
-
-
-def check_compatible(config: RunConfig, manifest: dict) -> None:
-    """The model must cover the tokenizer's vocabulary and the training length."""
-    vocab = manifest["tokenizer"]["vocab_size"]
-    if config.model.vocab_size < vocab:
-        raise UserError(f"vocab mismatch: the tokenizer of {config.data.first_path} has {vocab} tokens but "
-                        f"model.vocab_size is {config.model.vocab_size}")
-    if config.data.seq_len > config.model.max_seq_len:
-        raise UserError(f"data.seq_len {config.data.seq_len} is larger than model.max_seq_len "
-                        f"{config.model.max_seq_len}")
-
-
-def with_document_resets(config: RunConfig, manifest: dict) -> RunConfig:
-    """data.reset_at_documents: the model resets at the data's separator (model.document_separator), which the
-    checkpoint then carries to evaluation and generation. A separator set by hand must be the data's."""
-    separator, given = manifest["tokenizer"].get("sep_id"), config.model.document_separator
-    if config.data.reset_at_documents and separator is None:
-        raise UserError(f"data.reset_at_documents: {config.data.first_path}/manifest.json names no separator id "
-                        "(prepare it again with lm prepare)")
-    if given is not None and given != separator:
-        raise UserError(f"model.document_separator {given} is not the separator {separator} of "
-                        f"{config.data.first_path}")
-    if given is not None and not config.data.reset_at_documents:
-        raise UserError("model.document_separator is set by data.reset_at_documents: set that instead")
-    if config.data.reset_at_documents:
-        config.model = dataclasses.replace(config.model, document_separator=separator)
-    return config
-
-
-def check_source_tokens(config: RunConfig, global_batch: int) -> None:
-    """Sources given in tokens must add up to the run's tokens (within one step's: the schedule rounds)."""
-    sources, step = config.data.sources, global_batch * config.data.seq_len
-    if sources and sources[0].tokens is not None:
-        given, run = sum(s.tokens for s in sources), config.trainer.max_steps * step
-        if abs(given - run) > step:
-            raise UserError(f"data.sources ask for {given:,} tokens, but the run trains {run:,} (trainer.max_steps "
-                            f"{config.trainer.max_steps} x {step:,} tokens per step): make them agree, or give weights")
 
 
 def mixture_summary(datamodule: TokenDataModule, run_windows: int) -> str:
@@ -93,50 +55,6 @@ def mixture_summary(datamodule: TokenDataModule, run_windows: int) -> str:
         epochs = windows / count_windows(stream.total, datamodule.cfg.seq_len)
         parts.append(f"{source.name} {100 * source.weight:.3g}% ({epochs:.3g} epochs)")
     return "lm train: mixture of " + ", ".join(parts)
-
-
-def resolve_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to continue from: 'auto' (newest usable one if any), 'last' (the same, required) or a path."""
-    if resume in ("auto", "last"):
-        newest = newest_checkpoint(run_dir / "checkpoints")
-        if newest is None and resume == "last":
-            raise UserError(f"--resume last: no checkpoint in {run_dir / 'checkpoints'} (or none usable)")
-    elif not Path(resume).exists():
-        raise UserError(f"--resume: checkpoint {resume} not found")
-    else:
-        newest = require_usable(resume)
-    if newest is not None:
-        require_data_only(newest)
-    return newest
-
-
-def target_format(cfg: StrategyConfig) -> str:
-    return {"deepspeed": "deepspeed", "fsdp": "dcp"}.get(cfg.name, "plain")
-
-
-def resume_path(checkpoint: Path, config: RunConfig, world: int) -> str:
-    """The checkpoint as this run's strategy can load it. Native where the formats allow (a plain file into single
-    or DDP, FSDP2 shards at any world size, DeepSpeed shards at the same stage and world size); into single or DDP
-    from anything else, its weights alone, with a fresh optimizer state and a warning. FSDP2 and DeepSpeed take only
-    their own shards: into FSDP2, torch's set_optimizer_state_dict fails on a plain file's optimizer state, fresh or
-    not (tests/test_scale_out.py)."""
-    source, target = checkpoint_format(checkpoint), target_format(config.strategy)
-    if source == target == "plain" or source == target == "dcp":
-        return str(checkpoint)
-    if source == target == "deepspeed":
-        if (checkpoint_world_size(checkpoint), deepspeed_stage(checkpoint)) == (world, config.strategy.zero_stage):
-            return str(checkpoint)
-    if target == "deepspeed":
-        raise UserError(f"cannot resume DeepSpeed ZeRO-{config.strategy.zero_stage} on {world} processes from "
-                        f"{checkpoint} ({source} format, {checkpoint_world_size(checkpoint) or 1} processes): use "
-                        f"the strategy and world size that wrote it, or single / ddp, which can take its weights")
-    if target == "dcp":
-        raise UserError(f"cannot resume FSDP2 from {checkpoint} ({source} format): FSDP2 continues only its own "
-                        "shards; use the strategy that wrote it, or single / ddp, which can take its weights")
-    print(f"lm train: warning: {checkpoint} ({source} format) cannot carry its optimizer state into "
-          f"{config.strategy.name} on {world} processes; resuming with its weights and a fresh optimizer state",
-          file=sys.stderr)
-    return str(weights_only_checkpoint(checkpoint, config))
 
 
 def weights_only_checkpoint(checkpoint: Path, config: RunConfig) -> Path:
@@ -217,23 +135,12 @@ def build_trainer(config: RunConfig, run_dir: Path, stop: GracefulStop, stabilit
         gradient_clip_val=None)
 
 
-def batch_plan(config: RunConfig) -> tuple[int, int, int]:
-    """(data-parallel size, accumulation, global batch in sequences) from the config (lm.training.batch). The ranks
-    of a context group share their windows, so the data-parallel size is the world over strategy.context_parallel."""
-    d, pieces = config.data, config.strategy.context_parallel
-    check_layout(pieces, d.seq_len)
-    if pieces > 1 and config.eval.every:
-        raise UserError("eval.every evaluates on each rank alone, which strategy.context_parallel's ranks cannot: "
-                        "evaluate the run's checkpoints with lm eval instead")
-    replicas = config.strategy.data_parallel_size
-    global_batch = global_batch_of(d.global_batch, d.global_batch_tokens, d.seq_len)
-    accumulate = resolve_accumulation(global_batch, d.micro_batch, config.trainer.accumulate, replicas)
-    return replicas, accumulate, d.micro_batch * accumulate * replicas
-
-
-def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Sequence[L.Callback] = ()) -> Path:
+def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Sequence[L.Callback] = (),
+          checked: Checked | None = None) -> Path:
     """Fit the model of `config`; returns the newest checkpoint. `callbacks` are the caller's side concerns: in-loop
-    evaluation (the config's `eval` section) builds on training, so `lm train` (lm.cli.train) passes it here."""
+    evaluation (the config's `eval` section) builds on training, so `lm train` (lm.cli.train) passes it here.
+    `checked`: what lm.training.preflight found for this config and resume, where the caller has run it (`lm train`
+    does, before it imports Lightning); else it runs here."""
     if config.eval.every and not any(getattr(c, "evaluates_in_loop", False) for c in callbacks):
         raise UserError("eval.every is set, but in-loop evaluation was not given: run `lm train`, or pass "
                         "lm.eval.in_loop.in_loop_callbacks(config)")
@@ -242,18 +149,17 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     warnings.filterwarnings("ignore", message="Since DeepSpeed handles gradient clipping")
     # Lightning's hint to use srun whenever srun exists is noise off SLURM; launch_guard checks real SLURM launches.
     warnings.filterwarnings("ignore", message="The `srun` command is available")
+    # Every check, before anything is written (lm.training.preflight).
+    checked = checked or preflight(config, resume)
+    config, checkpoint = checked.config, checked.checkpoint
+    replicas, accumulate, global_batch = checked.replicas, checked.accumulate, checked.global_batch
     run_dir = Path(config.run_dir)
     L.seed_everything(config.seed, workers=True, verbose=False)
-    datamodule = TokenDataModule(config.data, config.strategy.context_parallel)
-    check_compatible(config, datamodule.manifest)
-    config = with_document_resets(config, datamodule.manifest)
-    replicas, accumulate, global_batch = batch_plan(config)
-    check_source_tokens(config, global_batch)
-    check_launch(config)  # the launch, the strategy on this machine; says a silent precision change
-    # Before anything is written: a bad --resume, or one this strategy cannot continue, changes nothing (resume_path
-    # only writes a weights-only copy next to the checkpoint, after its own checks).
-    checkpoint = resolve_resume(run_dir, resume)
-    ckpt_path = resume_path(checkpoint, config, config.strategy.world_size) if checkpoint else None
+    # The shards' sha256 were checked by preflight: once is enough.
+    datamodule = TokenDataModule(dataclasses.replace(config.data, verify=False), config.strategy.context_parallel)
+    ckpt_path = None
+    if checkpoint is not None:  # a copy of its weights alone where this strategy cannot carry its optimizer state
+        ckpt_path = str(weights_only_checkpoint(checkpoint, config) if checked.weights_only else checkpoint)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(run_dir, yaml)
     tokenizer = Path(config.data.first_path) / datamodule.manifest["tokenizer"]["file"]
@@ -271,8 +177,10 @@ def train(config: RunConfig, resume: str = "auto", yaml: str = "", callbacks: Se
     trainer = build_trainer(config, run_dir, stop, stability, accumulate, callbacks)
     if trainer.is_global_zero:
         # What made this launch, before it trains (lm.training.run_record): a reported number can be traced to it.
+        # An allowed change of the schedule (trainer.allow_schedule_change) is noted there too.
+        note = {"schedule_change": checked.schedule_change} if checked.schedule_change else None
         record_launch(run_dir, launch_entry(config.strategy.accelerator, [s.path for s in datamodule.sources],
-                                            checkpoint, config.strategy.world_size))
+                                            checkpoint, config.strategy.world_size, note=note))
         # the model as built: a hybrid's mix shows here (a cut pattern would have)
         print(f"lm train: {module.model.num_params():,} parameters; {config.model.layer_summary()}", file=sys.stderr)
         context = f" (context parallel: {pieces} processes share each window)" if pieces > 1 else ""

@@ -37,6 +37,8 @@ COMMANDS = {
     "export": Command("lm.export:export", "a checkpoint of any strategy -> model.safetensors + config.json; "
                       "--format hf: a Hugging Face directory", "data"),
     "generate": Command("lm.generate:generate_text", "sample a continuation from a checkpoint", "data"),
+    "mixers": Command("lm.cli.mixers:mixers_from_args", "every mixer; lm mixers NAME: its options with types, "
+                      "defaults, units and meaning", "data"),
     "demo": Command("lm.cli.demo:demo", "the embedded default: prepare the bundled corpus, train a tiny model on CPU, "
                     "evaluate; next: lm compare demo", "data"),
     "eval ppl": Command("lm.eval.ppl:evaluate_ppl",
@@ -101,11 +103,14 @@ COMMANDS = {
                                       "conv, heads, Lambda, CG steps) vs Gated DeltaNet, 3 seeds", "research"),
     "research test-time": Command("lm.research.cg_at_inference:cg_at_inference", "Mesa checkpoints at CG steps 0-30 "
                                   "and tolerances: loss, NLL by position, recall vs FLOPs/token", "research"),
+    "research ladder-reread": Command("lm.research.ladder_reread:ladder_reread", "an earlier ladder report's runs "
+                                      "read by today's verdicts and fits, without training", "research"),
     "research ab": Command("lm.research.revision_ab:revision_ab", "a sequence op of the working tree vs the same op at "
                            "a git revision: old / new time, one run", "research"),
 }
-# These parse their own argv (a run config; options followed by `--` and a command; a list of run directories).
-OWN_ARGV = {"train", "slurm submit", "compare report"}
+# These parse their own argv (a run config; options followed by `--` and a command; a list of run directories; an
+# optional mixer name).
+OWN_ARGV = {"train", "slurm submit", "compare report", "mixers"}
 # These take their required argument by position: `lm slurm status RUN_DIR`.
 POSITIONAL = {"slurm status", "compare ladder"}
 

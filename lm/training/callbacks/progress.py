@@ -1,6 +1,8 @@
 """Progress of a training run, counted in optimizer steps: on a terminal a bar (StepProgressBar); otherwise (CI, a
-SLURM .out file, `lm train > log`) a plain line every `every` steps (ProgressLines), written and flushed as it
-happens, since a live bar written to a file shows nothing until the run ends.
+SLURM .out file, `lm train > log`) a plain line at the launch's first optimizer step and then every `every` steps
+(ProgressLines), written and flushed as it happens, since a live bar written to a file shows nothing until the run
+ends. The first step's line says the run is moving long before log_every steps have passed (a slow model on a CPU
+can take minutes for them).
 
     step 10/20 | loss 5.4123 | tokens/s 12,345 | elapsed 0:00:04 | eta 0:00:04
     step 10/20 | val loss 5.5012 | val ppl 245.00
@@ -26,9 +28,10 @@ def clock(seconds: float) -> str:
 
 
 class ProgressLines(L.Callback):
-    """One line on stdout every `every` optimizer steps and at the last, and one after each validation, from global
-    rank 0. tokens/s is the whole run's (this rank's tokens times the world size) over the wall-clock time since the
-    previous line, validation and checkpoints included; the ETA extrapolates this launch's mean time per step."""
+    """One line on stdout at this launch's first optimizer step, every `every` optimizer steps and at the last, and one
+    after each validation, from global rank 0. tokens/s is the whole run's (this rank's tokens times the world size)
+    over the wall-clock time since the previous line, validation and checkpoints included (the first line's: since
+    training started); the ETA extrapolates this launch's mean time per step."""
 
     def __init__(self, every: int, tokens_of: Callable[[torch.Tensor], int]):
         self.every, self.tokens_of = every, tokens_of
@@ -41,7 +44,8 @@ class ProgressLines(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.window_tokens += self.tokens_of(batch)
         step = trainer.global_step  # optimizer steps: under accumulation it moves every few micro-batches
-        if step == self.last_step or (step % self.every and step != trainer.max_steps):
+        due = step % self.every == 0 or step == trainer.max_steps or step == self.first_step + 1
+        if step == self.last_step or not due:
             return
         now = time.perf_counter()
         if trainer.is_global_zero:
