@@ -109,15 +109,20 @@ LAWS = {
 }
 
 
+def write_base(tmp: Path, data: str, lr: float) -> None:
+    """The synthetic ladders' base run config: tiny, one process, no validation until the last step."""
+    (tmp / "base.yaml").write_text(yaml.safe_dump({
+        "seed": 0, "model": {"vocab_size": 512, "max_seq_len": 32},
+        "data": {"path": data, "seq_len": 32, "micro_batch": 4, "global_batch": 4, "num_workers": 0},
+        "optim": {"lr": lr, "warmup_steps": 5},
+        "trainer": {"val_every": 10**6, "ckpt_every": 10**6, "keep_last": 1, "log_every": 5, "progress_bar": False},
+        "strategy": {"accelerator": "cpu", "devices": 1}}))
+
+
 @pytest.fixture(scope="module")
 def synthetic_ladder(kjv_data, tmp_path_factory) -> tuple:
     tmp = tmp_path_factory.mktemp("synthetic")
-    (tmp / "base.yaml").write_text(yaml.safe_dump({
-        "seed": 0, "model": {"vocab_size": 512, "max_seq_len": 32},
-        "data": {"path": kjv_data, "seq_len": 32, "micro_batch": 4, "global_batch": 4, "num_workers": 0},
-        "optim": {"lr": 3.0e-3, "warmup_steps": 5},
-        "trainer": {"val_every": 10**6, "ckpt_every": 10**6, "keep_last": 1, "log_every": 5, "progress_bar": False},
-        "strategy": {"accelerator": "cpu", "devices": 1}}))
+    write_base(tmp, kjv_data, lr=3.0e-3)
     (tmp / "ladder.yaml").write_text(yaml.safe_dump({
         "archs": ["attention", "hawk", "gated_deltanet+attention"], "rungs": [1.0e5, 1.5e5, 2.2e5, 3.3e5],
         "base": "base.yaml", "tokens_per_param": 2, "seeds": [1, 2, 3], "bootstrap": 200, "target_compute": 1e14,
@@ -335,12 +340,7 @@ PURE_LAWS = {"attention": Law(PURE), "hawk": Law(MISSED, offsets={"330k": MISS})
 
 
 def pure_ladder(tmp: Path, data: str, **extra) -> Path:
-    (tmp / "base.yaml").write_text(yaml.safe_dump({
-        "seed": 0, "model": {"vocab_size": 512, "max_seq_len": 32},
-        "data": {"path": data, "seq_len": 32, "micro_batch": 4, "global_batch": 4, "num_workers": 0},
-        "optim": {"lr": 1e-2, "warmup_steps": 5},
-        "trainer": {"val_every": 10**6, "ckpt_every": 10**6, "keep_last": 1, "log_every": 5, "progress_bar": False},
-        "strategy": {"accelerator": "cpu", "devices": 1}}))
+    write_base(tmp, data, lr=1e-2)
     (tmp / "ladder.yaml").write_text(yaml.safe_dump({
         "archs": ["attention", "hawk"], "rungs": [1.0e5, 1.5e5, 2.2e5, 3.3e5], "base": "base.yaml",
         "tokens_per_param": 2, "seeds": [1, 2], "bootstrap": 40, "lr": {"grid": [5e-3, 1e-2, 2e-2]}, **extra}))
