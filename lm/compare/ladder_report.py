@@ -303,9 +303,11 @@ def plot(fits: dict, found: dict, low: float, high: float, target: float | None,
     if target:
         ax.axvline(target, color="grey", ls=":", lw=1)
     ax.set_ylim(min(losses) * 0.95, max(losses) * 1.05)  # the points and the bands' floor, not an overflow
-    ax.set(xscale="log", yscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss",
-           title=f"Fitted L(C) = E + A C^-alpha, {level:.0%} bootstrap bands to the target" if target else
-           "Fitted L(C) = E + A C^-alpha over the measured range (no target_compute: no bands)")
+    fitted = any("theta" in fit for fit in fits.values())
+    title = ("each run's final loss (no fit: a law needs 4 rungs)" if not fitted else
+             f"L(C) = E + A C^-alpha, {level:.0%} bands to the target" if target else
+             "L(C) = E + A C^-alpha over the runs (no target: no bands)")
+    ax.set(xscale="log", yscale="log", xlabel="training compute (FLOPs)", ylabel="final validation loss", title=title)
     for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):  # 1.8, not 1.8 x 10^0
         axis(FormatStrFormatter("%.2f"))
     ax.legend(fontsize=8)
